@@ -1,0 +1,27 @@
+"""eqx_models: decoder language models in Equinox, with scanned layers and one KV cache."""
+
+__version__ = "0.1.0"
+
+from .cache import KVCache
+from .config import ConfigError, DecoderConfig
+from .generation import Sampling, generate, stream_generate
+from .hub import CheckpointError, from_pretrained, save_pretrained
+from .models import supported_model_types
+from .nn.causal_lm import CausalLM
+from .tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "CausalLM",
+    "CheckpointError",
+    "ConfigError",
+    "DecoderConfig",
+    "KVCache",
+    "Sampling",
+    "Tokenizer",
+    "from_pretrained",
+    "generate",
+    "load_tokenizer",
+    "save_pretrained",
+    "stream_generate",
+    "supported_model_types",
+]

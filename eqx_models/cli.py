@@ -1,0 +1,100 @@
+"""The `eqx-models` command line."""
+
+import argparse
+import sys
+import time
+
+from . import __version__
+
+
+def _generate(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from .generation import stream_generate
+    from .hub import from_pretrained
+    from .tokenizer import StreamDecoder, load_tokenizer
+
+    started = time.perf_counter()
+    print(f"Loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision)
+    tokenizer = load_tokenizer(args.model, revision=args.revision)
+    print(f"Loaded in {time.perf_counter() - started:.1f}s.", file=sys.stderr, flush=True)
+
+    if args.chat:
+        prompt_ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    else:
+        prompt_ids = tokenizer.encode(args.prompt)
+    eos = tokenizer.eos_token_ids or model.config.eos_token_id
+    decoder = StreamDecoder(tokenizer, prompt_ids)
+
+    started = time.perf_counter()
+    first_token_at = None
+    count = 0
+    for tokens in stream_generate(
+        model,
+        prompt_ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_id=eos,
+    ):
+        if first_token_at is None:
+            first_token_at = time.perf_counter()
+        count += 1
+        sys.stdout.write(decoder.push(tokens))
+        sys.stdout.flush()
+    sys.stdout.write(decoder.flush() + "\n")
+    sys.stdout.flush()
+    finished = time.perf_counter()
+
+    prefill_s = first_token_at - started
+    decode_s = finished - first_token_at
+    decode_rate = (count - 1) / decode_s if count > 1 and decode_s > 0 else float("nan")
+    print(
+        f"prompt: {len(prompt_ids)} tokens in {prefill_s:.2f}s "
+        f"({len(prompt_ids) / prefill_s:.1f} tokens/s, compilation included) | "
+        f"decode: {count} tokens, {decode_rate:.1f} tokens/s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
+    parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="Continue a prompt; prints the continuation to stdout.")
+    gen.add_argument("model", help="Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a local folder.")
+    gen.add_argument("--prompt", required=True, help="Text to continue.")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily.")
+    gen.add_argument("--top-k", type=int, default=None)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="Weight dtype (default float32: CPUs without bfloat16 matmuls run it fastest).",
+    )
+    gen.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
+    gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
+    gen.set_defaults(run=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the `eqx-models` console script."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (FileNotFoundError, NotADirectoryError, ValueError) as e:
+        print(f"eqx-models: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""The configuration shared by every decoder, in Hugging Face field names."""
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from typing import Any
+
+# Keys every `transformers` config carries that never change the forward pass.
+GENERIC_IGNORED_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "architectures",
+        "model_type",
+        "transformers_version",
+        "torch_dtype",
+        "dtype",
+        "use_cache",
+        "initializer_range",
+        "attention_dropout",
+        "hidden_dropout",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "chunk_size_feed_forward",
+        "is_encoder_decoder",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "pad_token_id",
+        "bos_token_id",
+        "eos_token_id",
+        "tokenizer_class",
+        "pretraining_tp",
+        "max_window_layers",
+        "layer_types",
+        "use_sliding_window",
+        "sliding_window",
+        "tie_word_embeddings",
+        "rope_theta",
+        "rope_scaling",
+        "rope_parameters",
+        "head_dim",
+        "torchscript",
+        "pruned_heads",
+        "tf_legacy_loss",
+        "use_bfloat16",
+        "task_specific_params",
+        "finetuning_task",
+        "cross_attention_hidden_size",
+        "add_cross_attention",
+        "is_decoder",
+        "tie_encoder_decoder",
+        "decoder_start_token_id",
+        "sep_token_id",
+        "prefix",
+        "bad_words_ids",
+        "num_return_sequences",
+        "max_length",
+        "min_length",
+        "do_sample",
+        "early_stopping",
+        "num_beams",
+        "temperature",
+        "top_k",
+        "top_p",
+        "typical_p",
+        "repetition_penalty",
+        "length_penalty",
+        "no_repeat_ngram_size",
+        "encoder_no_repeat_ngram_size",
+        "num_beam_groups",
+        "diversity_penalty",
+        "output_scores",
+        "return_dict_in_generate",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "remove_invalid_values",
+        "exponential_decay_length_penalty",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "tf32",
+    }
+)
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+
+
+class ConfigError(ValueError):
+    """A `config.json` this library cannot represent faithfully."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """Hyperparameters of a decoder-only language model.
+
+    Field names follow Hugging Face `transformers`. The dataclass is frozen and
+    hashable, so models keep it as a static field.
+    """
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    # Frozen form of HF's `rope_scaling` dict: sorted (key, value) pairs, or None.
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    use_qk_norm: bool = False
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention "
+                "needs every key/value head to serve the same number of query heads."
+            )
+        if self.hidden_act not in SUPPORTED_ACTIVATIONS:
+            raise ConfigError(
+                f"hidden_act={self.hidden_act!r} is not supported; expected one of "
+                f"{SUPPORTED_ACTIVATIONS}."
+            )
+        rope_type = self.rope_type
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(
+                f"rope type {rope_type!r} is not supported; expected one of "
+                f"{SUPPORTED_ROPE_TYPES}."
+            )
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        """`rope_scaling` as the dict Hugging Face writes, or None."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    @property
+    def rope_type(self) -> str:
+        scaling = self.rope_scaling_dict or {}
+        return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def freeze_rope_scaling(scaling: Mapping[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
+    """Turns a `rope_scaling` dict into the hashable form `DecoderConfig` stores."""
+    if not scaling:
+        return None
+    frozen = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    if "type" in frozen and "rope_type" not in frozen:
+        frozen["rope_type"] = frozen.pop("type")
+    if frozen.get("rope_type", "default") == "default" and len(frozen) <= 1:
+        return None
+    return tuple(sorted(frozen.items()))
+
+
+def read_rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """Reads `rope_theta` and the scaling from either HF spelling.
+
+    transformers 5 writes `rope_parameters` (theta inside); older configs write a
+    top-level `rope_theta` and a `rope_scaling` dict.
+    """
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or params
+    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
+    partial = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ConfigError(
+            f"partial_rotary_factor={partial} is not supported; only full rotary embeddings are."
+        )
+    return float(theta), freeze_rope_scaling(scaling)
+
+
+def eos_ids(value: Any) -> tuple[int, ...]:
+    """Normalises an `eos_token_id` (None, int or list) to a tuple."""
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def check_keys(hf: Mapping[str, Any], model_type: str, used: set[str], ignored: frozenset[str]) -> None:
+    """Raises if `hf` has keys that are neither used nor known to be harmless."""
+    unknown = sorted(set(hf) - used - ignored - GENERIC_IGNORED_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"config.json for model_type {model_type!r} has keys this library does not "
+            f"implement: {unknown}. They may change the model's math, so loading stops here "
+            "rather than computing something different from the reference. If they are "
+            "harmless, remove them from config.json."
+        )
+
+
+def decoder_config_from_hf(
+    hf: Mapping[str, Any],
+    *,
+    use_qk_norm: bool,
+    extra_ignored: frozenset[str] = frozenset(),
+) -> DecoderConfig:
+    """Builds a `DecoderConfig` from the Llama-family fields of an HF config dict."""
+    model_type = hf.get("model_type", "?")
+    required = [
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ]
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ConfigError(f"config.json for {model_type!r} lacks required keys {missing}.")
+    used = set(required) | {
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "rms_norm_eps",
+        "attention_bias",
+        "mlp_bias",
+        "hidden_act",
+    }
+    check_keys(hf, model_type, used, extra_ignored)
+    heads = hf["num_attention_heads"]
+    theta, scaling = read_rope(hf)
+    return DecoderConfig(
+        model_type=model_type,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_hidden_layers=hf["num_hidden_layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        use_qk_norm=use_qk_norm,
+        hidden_act=hf.get("hidden_act", "silu"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos_ids(hf.get("eos_token_id")),
+        pad_token_id=hf.get("pad_token_id"),
+    )
+
+
+def decoder_config_to_hf(config: DecoderConfig) -> dict[str, Any]:
+    """The Llama-family fields of `config` as an HF config dict (both rope spellings)."""
+    rope = {"rope_type": "default", **(config.rope_scaling_dict or {})}
+    eos = list(config.eos_token_id)
+    return {
+        "model_type": config.model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling_dict,
+        "rope_parameters": {**rope, "rope_theta": config.rope_theta},
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "hidden_act": config.hidden_act,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": config.pad_token_id,
+    }
+
+
+def load_json(path) -> dict[str, Any]:
+    """Reads a JSON file, naming the file when it is malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file.") from e
+

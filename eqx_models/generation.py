@@ -1,0 +1,252 @@
+"""Text generation: bucketed prefill, one compiled decode step, sampling."""
+
+import collections
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+
+from .cache import KVCache
+from .nn.causal_lm import CausalLM
+
+MIN_PROMPT_BUCKET = 16
+
+# How many times each jitted function has been traced (each trace is a compile).
+_TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def trace_counts() -> dict[str, int]:
+    """Traces so far of the prefill and decode functions (tests assert on these)."""
+    return dict(_TRACE_COUNTS)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How the next token is picked: greedy at `temperature == 0`, else sampled."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k}.")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}.")
+
+
+def sample_tokens(
+    logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sampling: Sampling
+) -> Int[Array, " batch"]:
+    """Picks one token per row: argmax, or a draw after temperature, top-k and top-p."""
+    logits = logits.astype(jnp.float32)
+    if sampling.temperature == 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / sampling.temperature
+    if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
+        kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if sampling.top_p is not None and sampling.top_p < 1:
+        ordered = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(ordered, axis=-1)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the
+        # mass strictly before it is still below top_p (the top token always stays).
+        keep = (jnp.cumsum(probs, axis=-1) - probs) < sampling.top_p
+        threshold = jnp.take_along_axis(ordered, jnp.sum(keep, axis=-1, keepdims=True) - 1, axis=-1)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+class DecodeState(eqx.Module):
+    """What one decode step hands to the next; donated, so updated in place."""
+
+    cache: KVCache
+    token: Int[Array, " batch"]
+    done: Bool[Array, " batch"]
+    key: PRNGKeyArray
+
+
+def _finished(token: Int[Array, " batch"], eos_ids: tuple[int, ...]) -> Bool[Array, " batch"]:
+    return jnp.isin(token, jnp.asarray(eos_ids, jnp.int32)) if eos_ids else jnp.zeros(token.shape, bool)
+
+
+@eqx.filter_jit
+def _prefill(model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple):
+    _TRACE_COUNTS["prefill"] += 1
+    cache = model.init_cache(input_ids.shape[0], max_length)
+    logits, cache = model(input_ids, cache, attention_mask, logits_to_keep=1)
+    key, step_key = jax.random.split(key)
+    token = sample_tokens(logits[:, -1], step_key, sampling)
+    state = DecodeState(cache, token, _finished(token, eos_ids), key)
+    return state, token
+
+
+@functools.partial(eqx.filter_jit, donate="all-except-first")
+def _decode_step(model, state: DecodeState, sampling: Sampling, eos_ids: tuple, pad_token_id: int):
+    _TRACE_COUNTS["decode"] += 1
+    logits, cache = model(state.token[:, None], state.cache)
+    key, step_key = jax.random.split(state.key)
+    token = sample_tokens(logits[:, -1], step_key, sampling)
+    token = jnp.where(state.done, pad_token_id, token)
+    state = DecodeState(cache, token, state.done | _finished(token, eos_ids), key)
+    # The token goes out as its own buffer so the host can read it while the
+    # next (donating) step is already running.
+    return state, jnp.copy(token)
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def prepare_prompts(
+    input_ids, attention_mask=None, *, pad_token_id: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Turns prompts into left-padded `[batch, seq]` ids and mask (numpy, int32).
+
+    Accepts one sequence, a batch array (with an optional mask, 1 = real token), or
+    a list of sequences of different lengths (left-padded here).
+    """
+    if isinstance(input_ids, Sequence) and input_ids and isinstance(input_ids[0], (Sequence, np.ndarray)):
+        if attention_mask is None and len({len(row) for row in input_ids}) > 1:
+            width = max(len(row) for row in input_ids)
+            ids = np.full((len(input_ids), width), pad_token_id, np.int32)
+            mask = np.zeros((len(input_ids), width), np.int32)
+            for i, row in enumerate(input_ids):
+                if len(row):
+                    ids[i, width - len(row):] = row
+                    mask[i, width - len(row):] = 1
+            input_ids, attention_mask = ids, mask
+    ids = np.asarray(input_ids, dtype=np.int32)
+    if ids.ndim == 1:
+        ids = ids[None]
+    if ids.ndim != 2:
+        raise ValueError(f"input_ids must be [seq] or [batch, seq]; got shape {ids.shape}.")
+    mask = np.ones_like(ids) if attention_mask is None else np.asarray(attention_mask, np.int32).reshape(ids.shape)
+    if ids.shape[1] == 0 or (mask.sum(axis=1) == 0).any():
+        raise ValueError("Every prompt needs at least one token (for example the BOS token); got an empty one.")
+    if (mask[:, -1] == 0).any():
+        raise ValueError(
+            "The last column of attention_mask is 0 for some rows: prompts must be left-padded "
+            "(padding before the tokens), so every row ends on a real token."
+        )
+    return ids, mask
+
+
+def stream_generate(
+    model: CausalLM,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    attention_mask=None,
+    pad_token_id: int | None = None,
+) -> Iterator[np.ndarray]:
+    """Like `generate`, but yields each step's tokens (`[batch]` numpy) as they come.
+
+    Stops early once every row has produced an EOS token.
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    sampling = Sampling(temperature, top_k, top_p)
+    eos_ids = _eos_tuple(model, eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    ids, mask = prepare_prompts(input_ids, attention_mask, pad_token_id=pad)
+    longest = int(mask.sum(axis=1).max())
+    limit = model.config.max_position_embeddings
+    if longest + max_new_tokens > limit:
+        raise ValueError(
+            f"The prompt ({longest} tokens) plus max_new_tokens ({max_new_tokens}) is "
+            f"{longest + max_new_tokens} positions, beyond the model's max_position_embeddings "
+            f"({limit}). Shorten the prompt or ask for fewer tokens."
+        )
+    # Pad prompts to a power-of-two bucket and size the cache by power of two too,
+    # so the number of compilations stays small whatever the lengths.
+    bucket = max(MIN_PROMPT_BUCKET, _next_power_of_two(ids.shape[1]))
+    ids = np.pad(ids, ((0, 0), (bucket - ids.shape[1], 0)), constant_values=pad)
+    mask = np.pad(mask, ((0, 0), (bucket - mask.shape[1], 0)))
+    max_length = _next_power_of_two(bucket + max_new_tokens)
+
+    state, token = _prefill(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), max_length, sampling, eos_ids)
+    done = np.zeros(ids.shape[0], bool)
+    for step in range(max_new_tokens):
+        if step + 1 < max_new_tokens:
+            state, next_token = _decode_step(model, state, sampling, eos_ids, pad)
+        host = np.asarray(token)
+        yield host
+        done |= np.isin(host, eos_ids)
+        if done.all():
+            return
+        if step + 1 < max_new_tokens:
+            token = next_token
+
+
+def generate(
+    model: CausalLM,
+    input_ids,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    seed: int = 0,
+    eos_token_id: int | Sequence[int] | None = None,
+    attention_mask=None,
+    pad_token_id: int | None = None,
+) -> Int[np.ndarray, "batch new"]:
+    """Generates up to `max_new_tokens` tokens after each prompt.
+
+    Args:
+        model: a `CausalLM`.
+        input_ids: `[seq]` or `[batch, seq]` token ids (array or lists); a list of
+            different-length lists is left-padded for you.
+        max_new_tokens: tokens to generate per row.
+        temperature: 0 for greedy decoding; otherwise logits are divided by it and sampled.
+        top_k, top_p: restrict sampling to the k most likely tokens / the smallest set
+            with probability mass `top_p`.
+        seed: sampling is reproducible for a given seed.
+        eos_token_id: id or ids that end a row; defaults to the model config's.
+        attention_mask: `[batch, seq]`, 1 for real tokens, for left-padded batches.
+        pad_token_id: written after a row's EOS; defaults to the first EOS id.
+
+    Returns:
+        `[batch, max_new_tokens]` int32 numpy array of new tokens (the prompt is not
+        repeated). Each row of a padded batch gets exactly what its prompt gets alone.
+    """
+    eos_ids = _eos_tuple(model, eos_token_id)
+    pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    steps = list(
+        stream_generate(
+            model,
+            input_ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=eos_ids,
+            attention_mask=attention_mask,
+            pad_token_id=pad,
+        )
+    )
+    out = np.full((steps[0].shape[0], max_new_tokens), pad, np.int32)
+    out[:, : len(steps)] = np.stack(steps, axis=1)
+    return out
+
+
+def _eos_tuple(model: CausalLM, eos_token_id) -> tuple[int, ...]:
+    if eos_token_id is None:
+        return tuple(model.config.eos_token_id)
+    if isinstance(eos_token_id, int):
+        return (eos_token_id,)
+    return tuple(int(i) for i in eos_token_id)

@@ -1,0 +1,267 @@
+"""`from_pretrained` / `save_pretrained`: Hugging Face checkpoints <-> stacked models."""
+
+import json
+import os
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from .config import load_json
+from .models import architecture_for
+from .nn.causal_lm import CausalLM
+
+MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+]
+STACKED_PREFIX = "model.layers."
+# Tensors some checkpoints carry that are derived, not learned.
+IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint whose tensors do not match the model its config describes."""
+
+
+def resolve_model_dir(name_or_path: str | os.PathLike, *, revision: str | None = None, allow_patterns=None) -> Path:
+    """A local folder for `name_or_path`: the folder itself, or a hub snapshot.
+
+    Hub ids go through `huggingface_hub.snapshot_download` (only `allow_patterns`),
+    which uses the local cache and honours `HF_HUB_OFFLINE`.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise NotADirectoryError(f"{path} is a file; pass the folder that holds config.json.")
+    text = str(name_or_path)
+    looks_local = text.startswith((".", "/", "~")) or text.count("/") > 1 or "\\" in text
+    if looks_local:
+        raise FileNotFoundError(f"No folder at {path}. Check the path, or pass a hub id like 'Qwen/Qwen3-0.6B'.")
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(text, revision=revision, allow_patterns=allow_patterns))
+    except HFValidationError as e:
+        raise FileNotFoundError(f"{text!r} is neither a local folder nor a valid hub repo id ({e}).") from e
+    except Exception as e:  # offline, not cached, no such repo, no network: all end here
+        offline = os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes")
+        hint = (
+            "HF_HUB_OFFLINE is set and the repo is not in the local cache"
+            if offline
+            else "the hub could not be reached or has no such repo/revision"
+        )
+        raise FileNotFoundError(
+            f"Could not load {text!r}: no local folder by that name, and {hint} "
+            f"({type(e).__name__}: {e}). Pass an existing folder, or download the repo "
+            "first with network access."
+        ) from e
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    index = folder / INDEX_FILE
+    if index.exists():
+        weight_map = load_json(index).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise CheckpointError(f"{index} lists shard files that are missing: {missing}. Re-download them.")
+        return files
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"No *.safetensors files in {folder}. Only safetensors checkpoints are supported; "
+            "convert .bin/.pt weights with transformers' save_pretrained(safe_serialization=True)."
+        )
+    return files
+
+
+class _TensorSource:
+    """Reads tensors one at a time from a set of safetensors files (memory-mapped)."""
+
+    def __init__(self, files: list[Path]):
+        self.handles = {}
+        self.location: dict[str, Path] = {}
+        for file in files:
+            try:
+                handle = safe_open(file, framework="numpy")
+                names = list(handle.keys())
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(
+                    f"{file} is not a readable safetensors file ({e}); it may be truncated or "
+                    "corrupt. Delete it and download it again."
+                ) from e
+            self.handles[file] = handle
+            for name in names:
+                self.location[name] = file
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.handles[self.location[name]].get_slice(name).get_shape())
+
+    def read(self, name: str) -> np.ndarray:
+        file = self.location[name]
+        try:
+            return self.handles[file].get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"Could not read tensor {name!r} from {file} ({e}); the file may be corrupt.") from e
+
+
+def _leaf_names(path) -> str:
+    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+
+
+def _hf_names(name: str, num_layers: int) -> list[str]:
+    """HF tensor names of one of our leaves: one, or one per layer if stacked."""
+    if name.startswith(STACKED_PREFIX):
+        rest = name[len(STACKED_PREFIX):]
+        return [f"{STACKED_PREFIX}{i}.{rest}" for i in range(num_layers)]
+    return [name]
+
+
+def from_pretrained(
+    name_or_path: str | os.PathLike,
+    *,
+    dtype=None,
+    revision: str | None = None,
+    scan_layers: bool = True,
+) -> CausalLM:
+    """Loads a Hugging Face checkpoint into a stacked `CausalLM`.
+
+    Args:
+        name_or_path: a local folder (with `config.json` and safetensors) or a hub
+            repo id such as `"Qwen/Qwen3-0.6B"`.
+        dtype: dtype for the floating-point weights (`jnp.float32`, `"bfloat16"`, ...);
+            None keeps the checkpoint's.
+        revision: hub branch, tag or commit.
+        scan_layers: run the layers under `jax.lax.scan` (True) or unrolled (False).
+
+    Tensors are read one at a time from memory-mapped files and written straight
+    into the stacked arrays, so peak memory stays near the model's size. Missing,
+    unexpected and wrongly shaped tensors are all reported, by their HF names.
+    """
+    folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=MODEL_FILES)
+    config_path = folder / "config.json"
+    if not config_path.exists():
+        raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
+    arch = architecture_for(load_json(config_path))
+    config = arch.config_from_hf(load_json(config_path))
+    skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
+    source = _TensorSource(_checkpoint_files(folder))
+    target_dtype = None if dtype is None else jnp.dtype(dtype)
+
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+    plan = []
+    problems = []
+    consumed = set()
+    for path, leaf in leaves:
+        names = _hf_names(_leaf_names(path), config.num_hidden_layers)
+        stacked = _leaf_names(path).startswith(STACKED_PREFIX)
+        expected = leaf.shape[1:] if stacked else leaf.shape
+        for name in names:
+            if name not in source.location:
+                problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
+            elif source.shape(name) != tuple(expected):
+                problems.append(f"tensor {name} has shape {source.shape(name)}, expected {tuple(expected)}")
+        consumed.update(names)
+        plan.append((names, stacked))
+    unexpected = sorted(
+        n
+        for n in set(source.location) - consumed
+        if not n.endswith(IGNORED_TENSOR_SUFFIXES)
+        and not (config.tie_word_embeddings and n == "lm_head.weight")
+    )
+    problems += [f"unexpected tensor {n} (shape {source.shape(n)})" for n in unexpected]
+    if problems:
+        listing = "\n  ".join(problems[:40]) + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
+        raise CheckpointError(
+            f"The checkpoint in {folder} does not match its config.json "
+            f"(model_type {config.model_type!r}):\n  {listing}"
+        )
+
+    arrays = [_load_leaf(source, names, stacked, target_dtype) for names, stacked in plan]
+    return jax.tree_util.tree_unflatten(treedef, arrays)
+
+
+def _load_leaf(source: _TensorSource, names: list[str], stacked: bool, target_dtype) -> jax.Array:
+    first = source.read(names[0])
+    dtype = first.dtype
+    if target_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        dtype = target_dtype
+    if not stacked:
+        return jnp.asarray(first.astype(dtype, copy=False))
+    out = np.empty((len(names), *first.shape), dtype=dtype)
+    out[0] = first
+    for i, name in enumerate(names[1:], start=1):
+        out[i] = source.read(name)
+    return jnp.asarray(out)
+
+
+def _hf_tensors(model: CausalLM) -> list[tuple[str, jax.Array, int | None]]:
+    """`(hf_name, leaf, layer index or None)` for every weight, layers unstacked."""
+    out = []
+    for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]:
+        name = _leaf_names(path)
+        if name.startswith(STACKED_PREFIX):
+            out += [(hf, leaf, i) for i, hf in enumerate(_hf_names(name, leaf.shape[0]))]
+        else:
+            out.append((name, leaf, None))
+    return out
+
+
+def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_size: int = 5 * 10**9) -> None:
+    """Writes `config.json` and safetensors in the Hugging Face layout.
+
+    Checkpoints past `max_shard_size` bytes are split into
+    `model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`,
+    as `transformers` does; `transformers` and `from_pretrained` both load them.
+    Only one shard is held on the host at a time.
+    """
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config
+    arch = architecture_for({"model_type": config.model_type})
+    hf_config = arch.config_to_hf(config)
+    hf_config["architectures"] = [arch.hf_class]
+    hf_config["torch_dtype"] = jnp.dtype(model.dtype).name
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+
+    shards: list[list[tuple[str, jax.Array, int | None]]] = [[]]
+    shard_bytes = 0
+    for entry in _hf_tensors(model):
+        leaf, layer = entry[1], entry[2]
+        nbytes = leaf.nbytes // (leaf.shape[0] if layer is not None else 1)
+        if shards[-1] and shard_bytes + nbytes > max_shard_size:
+            shards.append([])
+            shard_bytes = 0
+        shards[-1].append(entry)
+        shard_bytes += nbytes
+    for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    file_names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    weight_map = {}
+    total = 0
+    for file_name, shard in zip(file_names, shards):
+        tensors = {name: np.asarray(leaf if layer is None else leaf[layer]) for name, leaf, layer in shard}
+        save_file(tensors, directory / file_name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file_name))
+        total += sum(a.nbytes for a in tensors.values())
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

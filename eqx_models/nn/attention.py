@@ -1,0 +1,119 @@
+"""Multi-head attention with grouped key/value heads and an optional KV cache."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, PRNGKeyArray
+
+from .linear import Linear
+from .norm import RMSNorm
+from .rope import apply_rotary
+
+
+def masked_softmax_attention(
+    query: Float[Array, "batch kv_heads groups seq head_dim"],
+    keys: list[Float[Array, "batch kv_heads _ head_dim"]],
+    values: list[Float[Array, "batch kv_heads _ head_dim"]],
+    allowed: list[Bool[Array, "batch seq _"]],
+) -> Float[Array, "batch kv_heads groups seq head_dim"]:
+    """Softmax attention over several key/value blocks as if they were concatenated.
+
+    Each block comes with its own `allowed` mask, so the cached keys and the new keys
+    of a step never need to be copied into one buffer first. Scores and the softmax
+    are float32 whatever the activation dtype.
+    """
+    scale = query.shape[-1] ** -0.5
+    scores = [
+        jnp.einsum("bkgtd,bksd->bkgts", query, k, preferred_element_type=jnp.float32) * scale
+        for k in keys
+    ]
+    # A large finite value rather than -inf: a fully masked row (a padding query)
+    # then gets uniform weights instead of NaN, and its output is ignored anyway.
+    lowest = jnp.finfo(jnp.float32).min
+    scores = [jnp.where(m[:, None, None], s, lowest) for s, m in zip(scores, allowed)]
+    row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
+    weights = [jnp.exp(s - row_max) for s in scores]
+    total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    out = sum(
+        jnp.einsum("bkgts,bksd->bkgtd", (w / total).astype(v.dtype), v)
+        for w, v in zip(weights, values)
+    )
+    return out
+
+
+class Attention(eqx.Module):
+    """Self-attention with rotary positions; MHA, GQA and MQA by head counts.
+
+    Attribute names mirror Hugging Face (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
+    and Qwen3's `q_norm` / `k_norm` applied per head before the rotation).
+    """
+
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm | None
+    k_norm: RMSNorm | None
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        use_bias: bool = False,
+        qk_norm_eps: float | None = None,
+        key: PRNGKeyArray,
+    ):
+        kq, kk, kv, ko = jax.random.split(key, 4)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, use_bias=use_bias, key=kq)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, use_bias=use_bias, key=kk)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, use_bias=use_bias, key=kv)
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, use_bias=use_bias, key=ko)
+        use_norm = qk_norm_eps is not None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if use_norm else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if use_norm else None
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        cos: Float[Array, "batch seq head_dim"],
+        sin: Float[Array, "batch seq head_dim"],
+        new_allowed: Bool[Array, "batch seq seq"],
+        cached: tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]] | None = None,
+        cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
+    ) -> tuple[
+        Float[Array, "batch seq hidden"],
+        tuple[Float[Array, "batch kv_heads seq head_dim"], Float[Array, "batch kv_heads seq head_dim"]],
+    ]:
+        """Attends the new tokens to the cached ones and to each other.
+
+        Returns the output and this step's keys/values (already rotated), which the
+        caller writes into the cache.
+        """
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)
+        k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
+        v = v.transpose(0, 2, 1, 3)
+        groups = self.num_heads // self.num_kv_heads
+        q = q.reshape(batch, self.num_kv_heads, groups, seq, self.head_dim)
+        keys, values, allowed = [k], [v], [new_allowed]
+        if cached is not None:
+            keys.insert(0, cached[0])
+            values.insert(0, cached[1])
+            allowed.insert(0, cached_allowed)
+        out = masked_softmax_attention(q, keys, values, allowed)
+        out = out.reshape(batch, self.num_heads, seq, self.head_dim).transpose(0, 2, 1, 3)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)), (k, v)

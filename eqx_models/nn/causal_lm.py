@@ -1,0 +1,99 @@
+"""A decoder with a language-model head: the model `from_pretrained` returns."""
+
+import copy
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..cache import KVCache
+from ..config import DecoderConfig
+from .decoder import Decoder
+from .linear import Linear
+
+
+class CausalLM(eqx.Module):
+    """Decoder-only language model (HF's `*ForCausalLM`).
+
+    Weight paths mirror Hugging Face: `model.layers.self_attn.q_proj.weight` here is
+    `model.layers.{i}.self_attn.q_proj.weight` there, stacked over `i`. With tied
+    embeddings `lm_head` is None and the embedding table projects the logits.
+    """
+
+    model: Decoder
+    lm_head: Linear | None
+    config: DecoderConfig = eqx.field(static=True)
+
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, scan_layers: bool = True):
+        k_model, k_head = jax.random.split(key)
+        self.model = Decoder(config, key=k_model, scan_layers=scan_layers)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else Linear(config.hidden_size, config.vocab_size, key=k_head)
+        )
+        self.config = config
+
+    def __call__(
+        self,
+        input_ids: Int[Array, "batch seq"],
+        cache: KVCache | None = None,
+        attention_mask: Int[Array, "batch seq"] | None = None,
+        *,
+        logits_to_keep: int | None = None,
+    ) -> tuple[Float[Array, "batch _ vocab"], KVCache | None]:
+        """Next-token logits for every position, and the updated cache.
+
+        Args:
+            input_ids: token ids `[batch, seq]`.
+            cache: a `KVCache` from `init_cache` (or a previous call), or None for a
+                plain forward pass. Prefill, chunked prefill and decode are all this
+                one call with a longer or shorter `input_ids`.
+            attention_mask: `[batch, seq]`, 1 for real tokens and 0 for padding
+                (left padding for a ragged batch). Defaults to all ones.
+            logits_to_keep: if given, only the last this-many positions get logits
+                (generation needs one; the vocabulary projection is the costly part).
+
+        Returns:
+            `(logits, cache)`: logits `[batch, seq or logits_to_keep, vocab]` in the
+            activation dtype, and the cache with this call's keys/values appended
+            (None when no cache was given).
+        """
+        if attention_mask is None:
+            attention_mask = jnp.ones(input_ids.shape, jnp.int32)
+        hidden, cache = self.model(input_ids, attention_mask.astype(jnp.int32), cache)
+        if logits_to_keep is not None:
+            hidden = hidden[:, -logits_to_keep:]
+        if self.lm_head is None:
+            logits = self.model.embed_tokens.attend(hidden)
+        else:
+            logits = self.lm_head(hidden)
+        return logits, cache
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        """The dtype of the weights (and of activations and the cache)."""
+        return self.model.embed_tokens.weight.dtype
+
+    @property
+    def scan_layers(self) -> bool:
+        return self.model.scan_layers
+
+    def with_scan_layers(self, scan_layers: bool) -> "CausalLM":
+        """The same weights, run with `jax.lax.scan` (True) or an unrolled loop (False)."""
+        decoder = copy.copy(self.model)
+        object.__setattr__(decoder, "scan_layers", scan_layers)
+        return eqx.tree_at(lambda m: m.model, self, decoder)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
+        """An empty `KVCache` for `batch_size` rows of up to `max_length` tokens."""
+        c = self.config
+        return KVCache.empty(
+            c.num_hidden_layers,
+            batch_size,
+            c.num_key_value_heads,
+            max_length,
+            c.head_dim,
+            dtype or self.dtype,
+        )
