@@ -5,6 +5,7 @@ import copy
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..cache import KVCache
@@ -37,16 +38,16 @@ class CausalLM(eqx.Module):
 
     def __call__(
         self,
-        input_ids: Int[Array, "batch seq"],
+        input_ids: Int[Array | np.ndarray, "batch seq"],
         cache: KVCache | None = None,
-        attention_mask: Int[Array, "batch seq"] | None = None,
+        attention_mask: Int[Array | np.ndarray, "batch seq"] | None = None,
         *,
         logits_to_keep: int | None = None,
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache | None]:
         """Next-token logits for every position, and the updated cache.
 
         Args:
-            input_ids: token ids `[batch, seq]`.
+            input_ids: token ids `[batch, seq]` (a jax or numpy array).
             cache: a `KVCache` from `init_cache` (or a previous call), or None for a
                 plain forward pass. Prefill, chunked prefill and decode are all this
                 one call with a longer or shorter `input_ids`.
@@ -60,9 +61,10 @@ class CausalLM(eqx.Module):
             activation dtype, and the cache with this call's keys/values appended
             (None when no cache was given).
         """
+        input_ids = jnp.asarray(input_ids)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-        hidden, cache = self.model(input_ids, attention_mask.astype(jnp.int32), cache)
+        hidden, cache = self.model(input_ids, jnp.asarray(attention_mask, jnp.int32), cache)
         if logits_to_keep is not None:
             hidden = hidden[:, -logits_to_keep:]
         if self.lm_head is None:

@@ -1,0 +1,101 @@
+"""Shared test helpers: fixture paths and tiny random `transformers` checkpoints."""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+import numpy as np
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(os.environ.get("EQX_MODELS_FIXTURES", REPO.parent / "shared" / "fixtures"))
+STORIES = FIXTURES / "stories260K"
+QWEN_TOKENIZER = FIXTURES / "qwen-tokenizer"
+
+
+def require_fixture(path: Path) -> Path:
+    if not path.exists():
+        raise FileNotFoundError(
+            f"Test fixture {path} is missing. Put the shared fixtures beside the repository "
+            "(../shared/fixtures) or point EQX_MODELS_FIXTURES at them."
+        )
+    return path
+
+
+def tiny_config(model_type: str, **overrides):
+    """A small `transformers` config of `model_type` with sensible tiny defaults."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    base = dict(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    base.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
+    return cls(**base)
+
+
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Re-draws every weight so activations and logits are of order 1-10.
+
+    `transformers` initialises with std 0.02, which makes logits tiny and a 1e-4
+    tolerance meaningless; unit-scale weights make the comparison bite.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name:
+                param.copy_(1.0 + 0.2 * noise)
+            elif "embed_tokens" in name:
+                param.copy_(0.5 * noise)
+            elif "bias" in name:
+                param.copy_(0.1 * noise)
+            else:
+                scale = 3.0 if "lm_head" in name else 1.0
+                param.copy_(scale * noise / np.sqrt(param.shape[-1]))
+    return model
+
+
+def make_checkpoint(directory: Path, config, seed: int = 0):
+    """Saves a randomly weighted `*ForCausalLM` for `config`; returns the torch model."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    randomize_(model, seed)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    model.eval()
+    model.save_pretrained(directory)
+    return model
+
+
+@pytest.fixture
+def checkpoint_factory(tmp_path):
+    """`factory(model_type, **config)` -> (folder, torch model)."""
+    counter = iter(range(1000))
+
+    def factory(model_type: str, seed: int = 0, **overrides):
+        folder = tmp_path / f"{model_type}-{next(counter)}"
+        return folder, make_checkpoint(folder, tiny_config(model_type, **overrides), seed)
+
+    return factory
+
+
+def torch_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    with torch.no_grad():
+        kwargs = {} if attention_mask is None else {"attention_mask": torch.tensor(attention_mask)}
+        return model(torch.tensor(ids), **kwargs).logits.float().numpy()

@@ -1,0 +1,156 @@
+"""The cache contract: decode equals the full pass, chunking, scanning, ragged batches."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_models
+from eqx_models.generation import DecodeState, Sampling, _decode_step, trace_counts
+
+
+def small_model(seed: int = 0, **overrides) -> eqx_models.CausalLM:
+    fields = dict(
+        model_type="qwen3",
+        vocab_size=101,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        use_qk_norm=True,
+    )
+    fields.update(overrides)
+    model = eqx_models.CausalLM(eqx_models.DecoderConfig(**fields), key=jax.random.key(seed))
+    # Rescale the std-0.02 init to unit-variance projections (std 1/sqrt(fan_in)),
+    # so logits are of order 1-10 and the tolerances bite.
+    return jax.tree.map(lambda w: w / (0.02 * np.sqrt(w.shape[-1])) if w.ndim >= 2 else w, model)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model()
+
+
+def random_ids(shape, seed=0, vocab=101):
+    return np.random.default_rng(seed).integers(0, vocab, shape)
+
+
+def test_logits_are_of_realistic_size(model):
+    logits, _ = model(random_ids((1, 8)))
+    assert 1.0 < float(jnp.abs(logits).max()) < 100.0
+
+
+def test_prefill_then_single_token_decode_equals_full_forward(model):
+    ids = random_ids((2, 20))
+    full, _ = model(ids)
+    cache = model.init_cache(2, 32)
+    step_logits = []
+    logits, cache = model(ids[:, :12], cache=cache)
+    step_logits.append(logits)
+    for t in range(12, 20):
+        logits, cache = model(ids[:, t : t + 1], cache=cache)
+        step_logits.append(logits)
+    np.testing.assert_allclose(np.concatenate(step_logits, axis=1), full, atol=1e-4, rtol=0)
+    assert int(cache.length) == 20
+    np.testing.assert_array_equal(cache.positions, [20, 20])
+
+
+def test_chunked_prefill_equals_one_shot_prefill(model):
+    ids = random_ids((2, 24), seed=1)
+    one_shot, cache_a = model(ids, cache=model.init_cache(2, 40))
+    chunks = []
+    cache_b = model.init_cache(2, 40)
+    for start in range(0, 24, 7):
+        logits, cache_b = model(ids[:, start : start + 7], cache=cache_b)
+        chunks.append(logits)
+    np.testing.assert_allclose(np.concatenate(chunks, axis=1), one_shot, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(cache_b.keys, cache_a.keys, atol=1e-5, rtol=0)
+    next_a, _ = model(ids[:, :1], cache=cache_a)
+    next_b, _ = model(ids[:, :1], cache=cache_b)
+    np.testing.assert_allclose(next_a, next_b, atol=1e-4, rtol=0)
+
+
+def test_unrolled_layers_equal_scanned_layers(model):
+    ids = random_ids((2, 16), seed=2)
+    unrolled = model.with_scan_layers(False)
+    assert model.scan_layers and not unrolled.scan_layers
+
+    @eqx.filter_jit
+    def prefill_and_step(m):
+        logits, cache = m(ids, cache=m.init_cache(2, 20))
+        step_logits, cache = m(ids[:, :1], cache=cache)
+        return logits, step_logits, cache
+
+    # Same stacked weights, same math, both compiled: bit-for-bit the same numbers.
+    for scanned, looped in zip(jax.tree.leaves(prefill_and_step(model)), jax.tree.leaves(prefill_and_step(unrolled))):
+        np.testing.assert_array_equal(looped, scanned)
+
+
+def test_left_padded_batch_equals_each_prompt_alone(model):
+    prompts = [random_ids((n,), seed=n).tolist() for n in (5, 11, 8)]
+    width = max(len(p) for p in prompts)
+    ids = np.zeros((3, width), np.int32)
+    mask = np.zeros((3, width), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = p
+        mask[i, width - len(p) :] = 1
+
+    logits, _ = model(ids, attention_mask=mask)
+    batched = eqx_models.generate(model, ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[])
+    for i, p in enumerate(prompts):
+        alone_logits, _ = model(np.asarray([p]))
+        np.testing.assert_allclose(logits[i, width - len(p) :], alone_logits[0], atol=1e-4, rtol=0)
+        alone = eqx_models.generate(model, [p], max_new_tokens=12, eos_token_id=[])
+        np.testing.assert_array_equal(batched[i], alone[0])
+    # A list of different-length prompts is left-padded for the caller.
+    np.testing.assert_array_equal(
+        eqx_models.generate(model, prompts, max_new_tokens=12, eos_token_id=[]), batched
+    )
+
+
+def test_compilations_do_not_grow_with_max_new_tokens():
+    model = small_model(seed=3, intermediate_size=40)  # a shape no other test compiles
+    prompt = random_ids((1, 9), seed=3)
+    before = trace_counts()
+    eqx_models.generate(model, prompt, max_new_tokens=8, eos_token_id=[])
+    after_short = trace_counts()
+    eqx_models.generate(model, prompt, max_new_tokens=256, eos_token_id=[])
+    after_long = trace_counts()
+
+    def traced(a, b):
+        return {k: b.get(k, 0) - a.get(k, 0) for k in ("prefill", "decode")}
+
+    # One prefill and one decode step compiled per cache size, however many tokens.
+    assert traced(before, after_short) == {"prefill": 1, "decode": 1}
+    assert traced(after_short, after_long) == traced(before, after_short)
+    eqx_models.generate(model, prompt, max_new_tokens=14, eos_token_id=[])
+    assert trace_counts() == after_long  # same cache bucket as 8 tokens: nothing new compiled
+
+
+def test_decode_step_updates_cache_in_place_without_copying_it():
+    model = small_model(seed=4, num_hidden_layers=8, hidden_size=64, num_attention_heads=4, head_dim=32)
+    cache = model.init_cache(4, 1024)
+    state = DecodeState(cache, jnp.zeros(4, jnp.int32), jnp.zeros(4, bool), jax.random.key(0))
+    compiled = _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
+    memory = compiled.memory_analysis()
+    cache_bytes = cache.keys.nbytes + cache.values.nbytes
+    # Donated: the output cache aliases the input cache.
+    assert memory.alias_size_in_bytes >= cache_bytes
+    # No full copy of the cache per step (it would need at least cache_bytes of temp).
+    assert memory.temp_size_in_bytes < 0.5 * cache_bytes, (memory.temp_size_in_bytes, cache_bytes)
+
+
+def test_writing_past_the_cache_raises(model):
+    cache = model.init_cache(1, 8)
+    _, cache = model(random_ids((1, 6)), cache=cache)
+    with pytest.raises(Exception, match="KVCache overflow"):
+        model(random_ids((1, 3)), cache=cache)
+
+
+def test_runtime_shape_checking_is_on(model):
+    with pytest.raises(Exception, match="batch seq"):
+        model(np.zeros((4,), np.int32))

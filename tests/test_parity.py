@@ -1,0 +1,65 @@
+"""Parity with `transformers` on tiny random checkpoints: logits and greedy tokens."""
+
+import numpy as np
+import pytest
+import torch
+
+import eqx_models
+from conftest import torch_logits
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+
+CASES = {
+    "llama-mha": ("llama", dict(num_attention_heads=4, num_key_value_heads=4)),
+    "llama-gqa-tied": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "llama-mqa": ("llama", dict(num_key_value_heads=1)),
+    "llama-bias": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "llama-llama3-rope": ("llama", dict(rope_scaling=LLAMA3_SCALING, rope_theta=500000.0)),
+    "llama-linear-rope": ("llama", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen3-mha-tied": ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3-gqa-head-dim": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),
+    "qwen3-mqa": ("qwen3", dict(num_key_value_heads=1, head_dim=12)),
+}
+
+# Longer than the llama3 case's original_max_position_embeddings (32), so the
+# scaled frequencies matter.
+PROMPT_LEN = 40
+NEW_TOKENS = 24
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_logits_and_greedy_tokens_match_transformers(case, checkpoint_factory):
+    model_type, overrides = CASES[case]
+    folder, reference = checkpoint_factory(model_type, **overrides)
+    model = eqx_models.from_pretrained(folder)
+
+    ids = np.random.default_rng(1).integers(0, reference.config.vocab_size, (2, PROMPT_LEN))
+    expected = torch_logits(reference, ids)
+    logits, cache = model(ids)
+    assert cache is None
+    assert 1.0 < np.abs(expected).max() < 100.0  # the comparison is on realistic logits
+    np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)
+
+    with torch.no_grad():
+        reference_tokens = reference.generate(
+            torch.tensor(ids[:1]),
+            attention_mask=torch.ones((1, PROMPT_LEN), dtype=torch.long),
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=False,
+        )[0, PROMPT_LEN:].numpy()
+    tokens = eqx_models.generate(model, ids[:1], max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    assert tokens.shape == (1, NEW_TOKENS)
+    np.testing.assert_array_equal(tokens[0], reference_tokens)
+
+
+def test_config_head_dim_differs_from_hidden_over_heads(checkpoint_factory):
+    folder, _ = checkpoint_factory("qwen3", head_dim=16)
+    config = eqx_models.from_pretrained(folder).config
+    assert config.head_dim == 16 != config.hidden_size // config.num_attention_heads
