@@ -43,7 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
         if first_token_at is None:
             first_token_at = time.perf_counter()
         count += 1
-        sys.stdout.write(decoder.push(tokens))
+        sys.stdout.write(decoder.push(tokens.tolist()))
         sys.stdout.flush()
     sys.stdout.write(decoder.flush() + "\n")
     sys.stdout.flush()

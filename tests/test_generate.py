@@ -1,0 +1,134 @@
+"""Generation on the real stories260K model, sampling, the CLI and input errors."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import eqx_models
+from eqx_models.cli import main
+from conftest import STORIES, require_fixture
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return eqx_models.from_pretrained(require_fixture(STORIES))
+
+
+@pytest.fixture(scope="module")
+def stories_tokenizer():
+    return eqx_models.load_tokenizer(STORIES)
+
+
+CASES = json.loads((STORIES / "expected.json").read_text()) if STORIES.exists() else []
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: repr(c["prompt"]))
+def test_expected_greedy_outputs_through_the_python_api(case, stories, stories_tokenizer):
+    prompt_ids = stories_tokenizer.encode(case["prompt"])
+    assert prompt_ids == case["prompt_ids"]
+    new = eqx_models.generate(stories, prompt_ids, max_new_tokens=len(case["output_ids"]))
+    assert new[0].tolist() == case["output_ids"]
+    assert stories_tokenizer.decode(prompt_ids + new[0].tolist()) == case["text"]
+
+
+def test_expected_outputs_as_one_ragged_batch(stories):
+    longest = max(len(c["output_ids"]) for c in CASES[1:])
+    new = eqx_models.generate(stories, [c["prompt_ids"] for c in CASES[1:]], max_new_tokens=longest)
+    for row, case in zip(new, CASES[1:]):
+        assert row[: len(case["output_ids"])].tolist() == case["output_ids"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: repr(c["prompt"]))
+def test_expected_outputs_through_the_cli(case, capsys, stories_tokenizer):
+    code = main(
+        ["generate", str(STORIES), "--prompt", case["prompt"], "--max-new-tokens", str(len(case["output_ids"]))]
+    )
+    out, err = capsys.readouterr()
+    assert code == 0
+    prompt_text = stories_tokenizer.decode(case["prompt_ids"])
+    assert out == case["text"][len(prompt_text):] + "\n"
+    assert "tokens/s" in err and f"decode: {len(case['output_ids'])} tokens" in err
+
+
+def test_console_script_runs_offline_on_the_fixture():
+    case = CASES[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "eqx_models.cli", "generate", str(STORIES), "--prompt", case["prompt"], "--max-new-tokens", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    tokenizer = eqx_models.load_tokenizer(STORIES)
+    assert result.stdout == tokenizer.decode(case["prompt_ids"] + case["output_ids"][:8])[len(case["prompt"]):] + "\n"
+
+
+def test_cli_reports_a_missing_model_folder(capsys, tmp_path):
+    assert main(["generate", str(tmp_path / "nope"), "--prompt", "hi"]) == 2
+    assert "No folder at" in capsys.readouterr().err
+
+
+def test_sampling_is_reproducible_by_seed(stories):
+    kwargs = dict(max_new_tokens=20, temperature=1.0, top_k=50, eos_token_id=[])
+    a = eqx_models.generate(stories, [1, 403], seed=7, **kwargs)
+    b = eqx_models.generate(stories, [1, 403], seed=7, **kwargs)
+    c = eqx_models.generate(stories, [1, 403], seed=8, **kwargs)
+    np.testing.assert_array_equal(a, b)
+    assert not np.array_equal(a, c)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy(stories):
+    greedy = eqx_models.generate(stories, [1, 326, 269], max_new_tokens=16)
+    top_k = eqx_models.generate(stories, [1, 326, 269], max_new_tokens=16, temperature=0.8, top_k=1, seed=3)
+    top_p = eqx_models.generate(stories, [1, 326, 269], max_new_tokens=16, temperature=0.8, top_p=1e-6, seed=3)
+    np.testing.assert_array_equal(top_k, greedy)
+    np.testing.assert_array_equal(top_p, greedy)
+
+
+@pytest.mark.parametrize("restriction", [dict(top_k=3), dict(top_p=0.5)])
+def test_sampled_tokens_respect_top_k_and_top_p(stories, restriction):
+    prompt = [1, 403, 407]
+    new = eqx_models.generate(stories, prompt, max_new_tokens=24, temperature=1.5, seed=11, eos_token_id=[], **restriction)
+    sequence = np.asarray([prompt + new[0].tolist()])
+    logits = np.asarray(stories(sequence)[0][0, len(prompt) - 1 : -1]) / 1.5
+    for step, token in enumerate(new[0]):
+        order = np.argsort(-logits[step])
+        if "top_k" in restriction:
+            allowed = order[: restriction["top_k"]]
+        else:
+            probs = np.exp(logits[step] - logits[step].max())
+            probs = probs[order] / probs.sum()
+            allowed = order[: int(np.sum(np.cumsum(probs) - probs < restriction["top_p"]))]
+        assert token in allowed, (step, token, allowed)
+
+
+def test_rows_that_finish_are_padded_after_eos(stories):
+    # Token 13 appears in the greedy story; make it the EOS.
+    greedy = eqx_models.generate(stories, [1], max_new_tokens=80, eos_token_id=[])[0]
+    stop = int(np.nonzero(greedy == 13)[0][0])
+    new = eqx_models.generate(stories, [[1], [1, 403]], max_new_tokens=80, eos_token_id=13, pad_token_id=0)
+    assert new[0, : stop + 1].tolist() == greedy[: stop + 1].tolist()
+    assert (new[0, stop + 1 :] == 0).all()
+
+
+def test_prompt_plus_new_tokens_beyond_positions_is_refused(stories):
+    with pytest.raises(ValueError, match=r"beyond the model's max_position_embeddings \(512\)"):
+        eqx_models.generate(stories, [1] * 500, max_new_tokens=13)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(input_ids=[1, 2], max_new_tokens=0), "max_new_tokens must be at least 1"),
+        (dict(input_ids=[], max_new_tokens=4), "at least one token"),
+        (dict(input_ids=[[1, 2, 3]], attention_mask=[[1, 1, 0]], max_new_tokens=4), "left-padded"),
+        (dict(input_ids=[1, 2], max_new_tokens=4, temperature=-1.0), "temperature must be >= 0"),
+        (dict(input_ids=[1, 2], max_new_tokens=4, top_p=1.5), r"top_p must be in \(0, 1\]"),
+    ],
+)
+def test_bad_generation_arguments(stories, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        eqx_models.generate(stories, **kwargs)
