@@ -80,7 +80,9 @@ def _finished(token: Int[Array, " batch"], eos_ids: tuple[int, ...]) -> Bool[Arr
 @eqx.filter_jit
 def _prefill(model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple):
     _TRACE_COUNTS["prefill"] += 1
-    cache = model.init_cache(input_ids.shape[0], max_length)
+    # The barrier stops XLA from constant-folding attention over the all-zero new
+    # cache at compile time (seconds of compilation for nothing).
+    cache = jax.lax.optimization_barrier(model.init_cache(input_ids.shape[0], max_length))
     logits, cache = model(input_ids, cache, attention_mask, logits_to_keep=1)
     key, step_key = jax.random.split(key)
     token = sample_tokens(logits[:, -1], step_key, sampling)

@@ -1,0 +1,203 @@
+"""Decode and prefill speed of eqx_models vs `transformers`, measured in the same run.
+
+A Qwen3-0.6B-shaped model with random float32 weights is created with
+`transformers`, saved, and loaded by both libraries. For batch sizes 1 and 8 it
+times a 128-token prefill and 32 single-token decode steps (cache in place), and
+the decode step's compile time. The floor is the weight bytes divided by the read
+bandwidth measured with all cores. Writes `benchmarks/results/decode.json`.
+
+    python benchmarks/decode.py [--layers 28] [--batch-sizes 1 8] [--new-tokens 32]
+"""
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+import eqx_models
+from eqx_models.generation import DecodeState, Sampling, _decode_step, _prefill
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+QWEN3_0_6B = dict(
+    vocab_size=151936,
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1000000.0,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-6,
+)
+
+
+def read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 10) -> dict[str, float]:
+    """Best read bandwidth over a 1 GiB float32 buffer, with all cores and with one.
+
+    Two memory-bound kernels (a sum and a matrix-vector product) each read the buffer
+    once; the best time of either is taken as what the memory bus delivers.
+    """
+    data = torch.ones(nbytes // 4)
+    matrix, vector = data.view(4096, -1), torch.ones(nbytes // 4 // 4096)
+    out = {}
+    previous = torch.get_num_threads()
+    for threads in (previous, 1):
+        torch.set_num_threads(threads)
+        best = float("inf")
+        for kernel in (data.sum, lambda: torch.mv(matrix, vector)):
+            kernel()
+            for _ in range(repeats):
+                start = time.perf_counter()
+                kernel()
+                best = min(best, time.perf_counter() - start)
+        out[f"{threads}_threads"] = nbytes / best / 1e9
+    torch.set_num_threads(previous)
+    return out
+
+
+def time_ours(model, prompt: np.ndarray, new_tokens: int) -> dict[str, float]:
+    batch, length = prompt.shape
+    ids, mask = jnp.asarray(prompt), jnp.ones(prompt.shape, jnp.int32)
+    max_length = length + new_tokens
+    sampling = Sampling()
+    key = jax.random.key(0)
+
+    start = time.perf_counter()
+    compiled_prefill = _prefill.lower(model, ids, mask, key, max_length, sampling, ()).compile()
+    prefill_compile = time.perf_counter() - start
+    del compiled_prefill
+    state, token = _prefill(model, ids, mask, key, max_length, sampling, ())
+    jax.block_until_ready(token)
+    prefill_times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        state, token = _prefill(model, ids, mask, key, max_length, sampling, ())
+        jax.block_until_ready(token)
+        prefill_times.append(time.perf_counter() - start)
+
+    dummy = DecodeState(model.init_cache(batch, max_length), token, jnp.zeros(batch, bool), key)
+    start = time.perf_counter()
+    compiled = _decode_step.lower(model, dummy, sampling, (), 0).compile()
+    decode_compile = time.perf_counter() - start
+    memory = compiled.compiled.memory_analysis()
+    del dummy
+    state, token = _decode_step(model, state, sampling, (), 0)  # warm-up
+    jax.block_until_ready(token)
+    step_times = []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        state, token = _decode_step(model, state, sampling, (), 0)
+        jax.block_until_ready(token)
+        step_times.append(time.perf_counter() - start)
+    cache_bytes = state.cache.keys.nbytes + state.cache.values.nbytes
+    return {
+        "prefill_s": min(prefill_times),
+        "prefill_tokens_per_s": batch * length / min(prefill_times),
+        "decode_ms_per_step": 1e3 * float(np.median(step_times)),
+        "decode_tokens_per_s": batch / float(np.median(step_times)),
+        "prefill_compile_s": prefill_compile,
+        "decode_compile_s": decode_compile,
+        "decode_temp_bytes": int(memory.temp_size_in_bytes),
+        "decode_alias_bytes": int(memory.alias_size_in_bytes),
+        "cache_bytes": int(cache_bytes),
+    }
+
+
+def time_transformers(model, prompt: np.ndarray, new_tokens: int) -> dict[str, float]:
+    from transformers import DynamicCache
+
+    batch, length = prompt.shape
+    ids = torch.tensor(prompt)
+    with torch.inference_mode():
+        prefill_times = []
+        for _ in range(3):
+            cache = DynamicCache()
+            start = time.perf_counter()
+            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            prefill_times.append(time.perf_counter() - start)
+        token = out.logits[:, -1].argmax(-1, keepdim=True)
+        step_times = []
+        for _ in range(new_tokens):
+            start = time.perf_counter()
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            step_times.append(time.perf_counter() - start)
+    step = float(np.median(step_times[1:]))
+    return {
+        "prefill_s": min(prefill_times),
+        "prefill_tokens_per_s": batch * length / min(prefill_times),
+        "decode_ms_per_step": 1e3 * step,
+        "decode_tokens_per_s": batch / step,
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=QWEN3_0_6B["num_hidden_layers"])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--prompt-length", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--output", type=Path, default=RESULTS / "decode.json")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    config = Qwen3Config(**{**QWEN3_0_6B, "num_hidden_layers": args.layers})
+    with tempfile.TemporaryDirectory() as folder:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(folder)
+        reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        model = eqx_models.from_pretrained(folder, dtype=jnp.float32)
+
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
+    bandwidth = read_bandwidth_gb_s()
+    floor_ms = 1e3 * weight_bytes / (bandwidth[f"{torch.get_num_threads()}_threads"] * 1e9)
+    results = {
+        "benchmark": "decode",
+        "model": f"Qwen3-0.6B-shaped, {args.layers} layers, random float32 weights",
+        "weight_bytes": weight_bytes,
+        "prompt_length": args.prompt_length,
+        "new_tokens": args.new_tokens,
+        "read_bandwidth_gb_s": bandwidth,
+        "floor_ms_per_step_batch1": floor_ms,
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "jax": jax.__version__,
+            "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(),
+        },
+        "runs": [],
+    }
+    rng = np.random.default_rng(0)
+    for batch in args.batch_sizes:
+        prompt = rng.integers(0, config.vocab_size, (batch, args.prompt_length))
+        ours = time_ours(model, prompt, args.new_tokens)
+        theirs = time_transformers(reference, prompt, args.new_tokens)
+        run = {
+            "batch": batch,
+            "eqx_models": ours,
+            "transformers": theirs,
+            "decode_speedup_vs_transformers": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
+        }
+        results["runs"].append(run)
+        print(json.dumps(run, indent=1), flush=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"floor {floor_ms:.0f} ms/token at batch 1; wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
