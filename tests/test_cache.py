@@ -154,3 +154,22 @@ def test_writing_past_the_cache_raises(model):
 def test_runtime_shape_checking_is_on(model):
     with pytest.raises(Exception, match="batch seq"):
         model(np.zeros((4,), np.int32))
+
+
+def test_decode_step_reads_stacked_weights_in_place():
+    from eqx_models import _xla_flags
+
+    assert _xla_flags.REDUCTION_MATVEC, (
+        "the XLA options for in-place decode were not installed: was a JAX backend "
+        "started before eqx_models was imported, or EQX_MODELS_XLA_FLAGS=0 set?"
+    )
+    model = small_model(seed=5, num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4, head_dim=64)
+    state = DecodeState(model.init_cache(1, 64), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
+    compiled = _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
+    layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.model.layers)) // 6
+    # A `dot` on a scanned layer copies that layer's weights first (temp >= one
+    # layer); the multiply-reduce form reads them where they are.
+    assert compiled.memory_analysis().temp_size_in_bytes < layer_bytes / 8
+    # And XLA has not turned the reductions back into dots over the weights.
+    hlo = compiled.as_text()
+    assert " dot(" not in "\n".join(line for line in hlo.splitlines() if "1024,256" in line or "256,1024" in line)
