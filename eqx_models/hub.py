@@ -1,14 +1,16 @@
 """`from_pretrained` / `save_pretrained`: Hugging Face checkpoints <-> stacked models."""
 
 import json
+import math
 import os
+import struct
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
-from safetensors import SafetensorError, safe_open
 from safetensors.numpy import save_file
 
 from .config import load_json
@@ -89,34 +91,116 @@ def _checkpoint_files(folder: Path) -> list[Path]:
     return files
 
 
+SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": ml_dtypes.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+class _SafetensorsFile:
+    """Reads single tensors of a safetensors file straight into caller-owned buffers.
+
+    The format is an 8-byte header length, a JSON header of
+    `{name: {dtype, shape, data_offsets}}`, then the raw bytes. Reading with
+    `readinto` (no memory map) keeps file pages out of this process's resident
+    memory, and every offset is checked against the file size up front, so a
+    truncated download is reported before anything is loaded.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        size = path.stat().st_size
+        try:
+            self.handle = open(path, "rb", buffering=0)
+            (header_length,) = struct.unpack("<Q", self.handle.read(8))
+            if header_length > size - 8:
+                raise ValueError(f"the header claims {header_length} bytes but the file has {size}")
+            header = json.loads(self.handle.read(header_length))
+        except (struct.error, ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(
+                f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt. "
+                "Delete it and download it again."
+            ) from e
+        header.pop("__metadata__", None)
+        self.data_start = 8 + header_length
+        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        for name, info in header.items():
+            if info["dtype"] not in SAFETENSORS_DTYPES:
+                raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which is not supported.")
+            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
+            shape = tuple(info["shape"])
+            begin, end = info["data_offsets"]
+            if end - begin != math.prod(shape) * dtype.itemsize or self.data_start + end > size:
+                raise CheckpointError(
+                    f"{path} is truncated or corrupt: tensor {name} should occupy bytes "
+                    f"{self.data_start + begin}-{self.data_start + end} but the file has {size}. "
+                    "Delete it and download it again."
+                )
+            self.entries[name] = (dtype, shape, begin)
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        """Fills `out` (C-contiguous, the tensor's shape, any dtype) with tensor `name`."""
+        dtype, shape, begin = self.entries[name]
+        buffer = out if out.dtype == dtype else np.empty(shape, dtype)
+        view = memoryview(buffer.reshape(-1).view(np.uint8))
+        self.handle.seek(self.data_start + begin)
+        filled = 0
+        while filled < len(view):  # one read() returns at most ~2 GiB on Linux
+            count = self.handle.readinto(view[filled:])
+            if not count:
+                raise CheckpointError(f"{self.path} ended early while reading {name}; it may be truncated.")
+            filled += count
+        if buffer is not out:
+            out[...] = buffer
+
+
 class _TensorSource:
-    """Reads tensors one at a time from a set of safetensors files (memory-mapped)."""
+    """Where each tensor of a (possibly sharded) checkpoint lives."""
 
     def __init__(self, files: list[Path]):
-        self.handles = {}
-        self.location: dict[str, Path] = {}
-        for file in files:
-            try:
-                handle = safe_open(file, framework="numpy")
-                names = list(handle.keys())
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(
-                    f"{file} is not a readable safetensors file ({e}); it may be truncated or "
-                    "corrupt. Delete it and download it again."
-                ) from e
-            self.handles[file] = handle
-            for name in names:
+        self.location: dict[str, _SafetensorsFile] = {}
+        for path in files:
+            file = _SafetensorsFile(path)
+            for name in file.entries:
                 self.location[name] = file
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.handles[self.location[name]].get_slice(name).get_shape())
+        return self.location[name].entries[name][1]
 
-    def read(self, name: str) -> np.ndarray:
-        file = self.location[name]
+    def dtype(self, name: str) -> np.dtype:
+        return self.location[name].entries[name][0]
+
+    def read_into(self, name: str, out: np.ndarray) -> None:
+        self.location[name].read_into(name, out)
+
+
+def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
+    """An uninitialised array whose data starts on an `alignment`-byte boundary.
+
+    JAX's CPU backend adopts such a buffer without copying it (`from_dlpack`).
+    """
+    nbytes = math.prod(shape) * dtype.itemsize
+    raw = np.empty(nbytes + alignment, np.uint8)
+    offset = (-raw.ctypes.data) % alignment
+    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
+
+
+def _to_jax(array: np.ndarray) -> jax.Array:
+    """The array as a JAX array, without a copy on the CPU backend when possible."""
+    if jax.default_backend() == "cpu":
         try:
-            return self.handles[file].get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"Could not read tensor {name!r} from {file} ({e}); the file may be corrupt.") from e
+            return jax.dlpack.from_dlpack(array)
+        except (TypeError, BufferError, RuntimeError, ValueError):  # e.g. bfloat16 via dlpack
+            pass
+    return jnp.asarray(array)
 
 
 def _leaf_names(path) -> str:
@@ -148,16 +232,16 @@ def from_pretrained(
         revision: hub branch, tag or commit.
         scan_layers: run the layers under `jax.lax.scan` (True) or unrolled (False).
 
-    Tensors are read one at a time from memory-mapped files and written straight
-    into the stacked arrays, so peak memory stays near the model's size. Missing,
+    Tensors are read one at a time straight into the final stacked buffers, which
+    the CPU backend adopts without a copy, so peak memory stays near the model's size. Missing,
     unexpected and wrongly shaped tensors are all reported, by their HF names.
     """
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=MODEL_FILES)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
-    arch = architecture_for(load_json(config_path))
-    config = arch.config_from_hf(load_json(config_path))
+    hf_config = load_json(config_path)
+    config = architecture_for(hf_config).config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     source = _TensorSource(_checkpoint_files(folder))
     target_dtype = None if dtype is None else jnp.dtype(dtype)
@@ -196,17 +280,15 @@ def from_pretrained(
 
 
 def _load_leaf(source: _TensorSource, names: list[str], stacked: bool, target_dtype) -> jax.Array:
-    first = source.read(names[0])
-    dtype = first.dtype
+    """Reads one leaf (stacking its per-layer tensors) into a single final buffer."""
+    dtype = source.dtype(names[0])
     if target_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
-        dtype = target_dtype
-    if not stacked:
-        return jnp.asarray(first.astype(dtype, copy=False))
-    out = np.empty((len(names), *first.shape), dtype=dtype)
-    out[0] = first
-    for i, name in enumerate(names[1:], start=1):
-        out[i] = source.read(name)
-    return jnp.asarray(out)
+        dtype = np.dtype(target_dtype)
+    shape = source.shape(names[0])
+    out = _aligned_empty((len(names), *shape) if stacked else shape, dtype)
+    for i, name in enumerate(names):
+        source.read_into(name, out[i] if stacked else out)
+    return _to_jax(out)
 
 
 def _hf_tensors(model: CausalLM) -> list[tuple[str, jax.Array, int | None]]:
