@@ -1,0 +1,97 @@
+"""Turns `benchmarks/results/*.json` into the tables and plot of `docs/benchmarks.md`.
+
+    python benchmarks/report.py            # prints markdown tables, writes docs/benchmarks.png
+"""
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+def load(name: str) -> dict | None:
+    path = RESULTS / f"{name}.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def decode_table(decode: dict) -> str:
+    rows = [
+        "| batch | eqx_models ms/step | transformers ms/step | eqx_models tok/s | transformers tok/s | ratio | decode temp MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for run in decode["runs"]:
+        ours, theirs = run["eqx_models"], run["transformers"]
+        rows.append(
+            f"| {run['batch']} | {ours['decode_ms_per_step']:.0f} | {theirs['decode_ms_per_step']:.0f} | "
+            f"{ours['decode_tokens_per_s']:.1f} | {theirs['decode_tokens_per_s']:.1f} | "
+            f"{run['decode_speedup_vs_transformers']:.2f}x | {ours['decode_temp_bytes'] / 1e6:.1f} |"
+        )
+    return "\n".join(rows)
+
+
+def context_table(runs: list[tuple[str, dict]]) -> str:
+    rows = [
+        "| prompt tokens | eqx_models decode ms/step | transformers ms/step | eqx_models prefill tok/s | transformers prefill tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for _, result in runs:
+        run = result["runs"][0]
+        rows.append(
+            f"| {result['prompt_length']} | {run['eqx_models']['decode_ms_per_step']:.0f} | "
+            f"{run['transformers']['decode_ms_per_step']:.0f} | {run['eqx_models']['prefill_tokens_per_s']:.0f} | "
+            f"{run['transformers']['prefill_tokens_per_s']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(decode: dict | None, depth: dict | None, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    if decode:
+        batches = [r["batch"] for r in decode["runs"]]
+        for library in ("eqx_models", "transformers"):
+            axes[0].plot(batches, [r[library]["decode_tokens_per_s"] for r in decode["runs"]], "o-", label=library)
+        axes[0].set(xlabel="batch size", ylabel="decode tokens/s", title="Decode, Qwen3-0.6B shape, float32")
+        axes[0].legend()
+    if depth:
+        layers = [r["layers"] for r in depth["runs"]]
+        axes[1].plot(layers, [r["scan_s"] for r in depth["runs"]], "o-", label="scan")
+        axes[1].plot(layers, [r["unrolled_s"] for r in depth["runs"]], "o-", label="unrolled")
+        axes[1].set(xlabel="layers", ylabel="compile seconds", title="Decode-step compile time vs depth")
+        axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main():
+    decode, depth, load_result = load("decode"), load("compile_depth"), load("load")
+    if decode:
+        print(f"Floor at batch 1: {decode['floor_ms_per_step_batch1']:.0f} ms/token "
+              f"({decode['weight_bytes'] / 1e9:.2f} GB of weights at {decode['read_bandwidth_gb_s']}) GB/s\n")
+        print(decode_table(decode) + "\n")
+    contexts = [(n, load(n)) for n in ("decode", "prefill_512", "decode_context_1024", "decode_context_4096")]
+    contexts = [(n, r) for n, r in contexts if r]
+    if contexts:
+        print(context_table(contexts) + "\n")
+    if depth:
+        print("| layers | scan compile s | unrolled compile s |\n|---|---|---|")
+        for run in depth["runs"]:
+            print(f"| {run['layers']} | {run['scan_s']:.2f} | {run['unrolled_s']:.2f} |")
+        print()
+    if load_result:
+        print("| library | load s | peak RSS growth / weights | after reading every weight / weights |\n|---|---|---|---|")
+        for run in load_result["runs"]:
+            print(
+                f"| {run['library']} | {run['seconds']:.2f} | {run['peak_growth'] / load_result['weight_bytes']:.2f} | "
+                f"{run['peak_growth_after_touching_weights'] / load_result['weight_bytes']:.2f} |"
+            )
+    plot(decode, depth, ROOT / "docs" / "benchmarks.png")
+
+
+if __name__ == "__main__":
+    main()
