@@ -80,10 +80,7 @@ def _finished(token: Int[Array, " batch"], eos_ids: tuple[int, ...]) -> Bool[Arr
 @eqx.filter_jit
 def _prefill(model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple):
     _TRACE_COUNTS["prefill"] += 1
-    # The barrier stops XLA from constant-folding attention over the all-zero new
-    # cache at compile time (seconds of compilation for nothing).
-    cache = jax.lax.optimization_barrier(model.init_cache(input_ids.shape[0], max_length))
-    logits, cache = model(input_ids, cache, attention_mask, logits_to_keep=1)
+    logits, cache = model.prefill(input_ids, max_length, attention_mask, logits_to_keep=1)
     key, step_key = jax.random.split(key)
     token = sample_tokens(logits[:, -1], step_key, sampling)
     state = DecodeState(cache, token, _finished(token, eos_ids), key)

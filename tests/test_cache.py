@@ -140,8 +140,11 @@ def test_decode_step_updates_cache_in_place_without_copying_it():
     cache_bytes = cache.keys.nbytes + cache.values.nbytes
     # Donated: the output cache aliases the input cache.
     assert memory.alias_size_in_bytes >= cache_bytes
-    # No full copy of the cache per step (it would need at least cache_bytes of temp).
-    assert memory.temp_size_in_bytes < 0.5 * cache_bytes, (memory.temp_size_in_bytes, cache_bytes)
+    # No copy of the cache per step: not of the whole cache, and not even of one
+    # layer's keys and values (the key slice is read in place; the value slice is
+    # still copied for its `dot`, half a layer).
+    layer_slice = cache_bytes / 8
+    assert memory.temp_size_in_bytes < 0.75 * layer_slice, (memory.temp_size_in_bytes, layer_slice)
 
 
 def test_writing_past_the_cache_raises(model):
@@ -173,3 +176,22 @@ def test_decode_step_reads_stacked_weights_in_place():
     # And XLA has not turned the reductions back into dots over the weights.
     hlo = compiled.as_text()
     assert " dot(" not in "\n".join(line for line in hlo.splitlines() if "1024,256" in line or "256,1024" in line)
+
+
+def test_prefill_into_a_new_cache_equals_prefill_into_an_empty_one(model):
+    ids = random_ids((2, 10), seed=6)
+    mask = np.ones((2, 10), np.int32)
+    mask[1, :3] = 0
+    expected_logits, expected_cache = model(ids, cache=model.init_cache(2, 16), attention_mask=mask)
+    logits, cache = model.prefill(ids, 16, attention_mask=mask)
+    np.testing.assert_allclose(logits[1, 3:], expected_logits[1, 3:], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(logits[0], expected_logits[0], atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(cache.valid, expected_cache.valid)
+    np.testing.assert_array_equal(cache.positions, expected_cache.positions)
+    assert int(cache.length) == int(expected_cache.length) == 10
+    real = np.asarray(cache.valid)[None, :, None, :, None]  # padding slots hold don't-care values
+    for got, want in ((cache.keys, expected_cache.keys), (cache.values, expected_cache.values)):
+        np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=1e-5, rtol=0)
+    step, _ = model(ids[:, :1], cache=cache)
+    expected_step, _ = model(ids[:, :1], cache=expected_cache)
+    np.testing.assert_allclose(step, expected_step, atol=1e-5, rtol=0)

@@ -61,10 +61,30 @@ class CausalLM(eqx.Module):
             activation dtype, and the cache with this call's keys/values appended
             (None when no cache was given).
         """
+        return self._forward(input_ids, attention_mask, cache, None, logits_to_keep)
+
+    def prefill(
+        self,
+        input_ids: Int[Array | np.ndarray, "batch seq"],
+        max_length: int,
+        attention_mask: Int[Array | np.ndarray, "batch seq"] | None = None,
+        *,
+        logits_to_keep: int | None = None,
+    ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
+        """Runs a prompt into a new cache with room for `max_length` tokens per row.
+
+        Equal to `model(input_ids, cache=model.init_cache(batch, max_length), ...)`,
+        without attending to the empty cache (which costs `seq x max_length` work).
+        """
+        return self._forward(input_ids, attention_mask, None, max_length, logits_to_keep)
+
+    def _forward(self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep):
         input_ids = jnp.asarray(input_ids)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-        hidden, cache = self.model(input_ids, jnp.asarray(attention_mask, jnp.int32), cache)
+        hidden, cache = self.model(
+            input_ids, jnp.asarray(attention_mask, jnp.int32), cache, new_cache_length=new_cache_length
+        )
         if logits_to_keep is not None:
             hidden = hidden[:, -logits_to_keep:]
         if self.lm_head is None:

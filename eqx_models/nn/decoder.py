@@ -96,8 +96,15 @@ class Decoder(eqx.Module):
         input_ids: Int[Array, "batch seq"],
         attention_mask: Int[Array, "batch seq"],
         cache: KVCache | None = None,
+        *,
+        new_cache_length: int | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KVCache | None]:
-        """Runs the stack; returns the final hidden states and the updated cache."""
+        """Runs the stack; returns the final hidden states and the updated cache.
+
+        With `cache=None` and `new_cache_length`, the tokens attend only to each
+        other and their keys/values go into a new cache of that many slots (a
+        prefill that does not read an empty cache).
+        """
         seq = input_ids.shape[1]
         x = self.embed_tokens(input_ids)
         if cache is None:
@@ -129,6 +136,9 @@ class Decoder(eqx.Module):
                 per_layer.append(kv)
             new_keys = jnp.stack([k for k, _ in per_layer])
             new_values = jnp.stack([v for _, v in per_layer])
+        if cache is None and new_cache_length is not None:
+            layers, batch, kv_heads, _, head_dim = new_keys.shape
+            cache = KVCache.empty(layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype)
         if cache is not None:
             cache = cache.append(new_keys, new_values, attention_mask)
         return self.norm(x), cache
