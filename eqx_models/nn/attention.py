@@ -11,6 +11,12 @@ from .norm import RMSNorm
 from .rope import apply_rotary
 
 
+# Prompts longer than twice this run attention in blocks of this many queries, each
+# against the keys up to its last query only (causal): half the work of the full
+# square, and score tiles that stay a fraction of the `[seq, seq]` matrix.
+QUERY_CHUNK = 512
+
+
 def masked_softmax_attention(
     query: Float[Array, "batch kv_heads groups seq head_dim"],
     keys: list[Float[Array, "batch kv_heads _ head_dim"]],
@@ -21,8 +27,24 @@ def masked_softmax_attention(
 
     Each block comes with its own `allowed` mask, so the cached keys and the new keys
     of a step never need to be copied into one buffer first. Scores and the softmax
-    are float32 whatever the activation dtype.
+    are float32 whatever the activation dtype. The last block must be the new
+    tokens' own (causal) block: long prompts are split by query along it.
     """
+    seq = query.shape[3]
+    if seq > 2 * QUERY_CHUNK:
+        outputs = []
+        for start in range(0, seq, QUERY_CHUNK):
+            stop = min(start + QUERY_CHUNK, seq)
+            # Exact, not approximate: queries before `stop` never see new keys after it.
+            outputs.append(
+                masked_softmax_attention(
+                    query[:, :, :, start:stop],
+                    keys[:-1] + [keys[-1][:, :, :stop]],
+                    values[:-1] + [values[-1][:, :, :stop]],
+                    [a[:, start:stop] for a in allowed[:-1]] + [allowed[-1][:, start:stop, :stop]],
+                )
+            )
+        return jnp.concatenate(outputs, axis=3)
     scale = query.shape[-1] ** -0.5
     scores = [_scores(query, k) * scale for k in keys]
     # A large finite value rather than -inf: a fully masked row (a padding query)
