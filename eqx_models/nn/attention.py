@@ -54,30 +54,23 @@ def masked_softmax_attention(
     row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
     weights = [jnp.exp(s - row_max) for s in scores]
     total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    return sum(_weighted_values((w / total).astype(v.dtype), v) for w, v in zip(weights, values))
-
-
-def _read_in_place(query: Array, block: Array) -> bool:
-    # One query row per head (decode) against a float32 block, under the XLA
-    # options of `_xla_flags`: then multiply + sum reads a scanned layer's cache
-    # slice where it lies, where the einsum would copy (and transpose) it first.
-    return REDUCTION_MATVEC and query.shape[-2] == 1 and block.dtype == jnp.float32
+    # The weighted sum of values stays a `dot` even in decode: as a reduction over
+    # the strided `s` axis it measured 4-5x slower than the value-slice copy the
+    # `dot` makes.
+    return sum(
+        jnp.einsum("bkgts,bksd->bkgtd", (w / total).astype(v.dtype), v)
+        for w, v in zip(weights, values)
+    )
 
 
 def _scores(query: Array, keys: Array) -> Array:
     """`query . keys` over head_dim: `[b, k, g, t, d] x [b, k, s, d] -> [b, k, g, t, s]`, float32."""
-    if _read_in_place(query, keys):
+    if REDUCTION_MATVEC and query.shape[-2] == 1 and keys.dtype == jnp.float32:
+        # Decode under the XLA options of `_xla_flags`: multiply + sum reads a
+        # scanned layer's cached keys where they lie; the einsum would copy (and
+        # transpose) that slice first.
         return jnp.sum(query[:, :, :, :, None, :] * keys[:, :, None, None, :, :], axis=-1)
     return jnp.einsum("bkgtd,bksd->bkgts", query, keys, preferred_element_type=jnp.float32)
-
-
-def _weighted_values(weights: Array, values: Array) -> Array:
-    """`sum_s weights[..., s] * values[s]`: `[b, k, g, t, s] x [b, k, s, d] -> [b, k, g, t, d]`.
-
-    Always a `dot`: as a reduction over the non-contiguous `s` axis it measured
-    4-5x slower than the copy the `dot` makes of the value slice.
-    """
-    return jnp.einsum("bkgts,bksd->bkgtd", weights, values)
 
 
 class Attention(eqx.Module):
