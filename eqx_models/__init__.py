@@ -2,8 +2,6 @@
 
 __version__ = "0.1.0"
 
-from . import _xla_flags  # noqa: F401  (must run before any JAX backend starts)
-
 from .cache import KVCache
 from .config import ConfigError, DecoderConfig
 from .generation import Sampling, generate, stream_generate

@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .._xla_flags import REDUCTION_MATVEC
-from .linear import Linear
+from ..kernels import decode_attention, kernels_available
+from .linear import LayerSlice, Linear
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -46,7 +46,9 @@ def masked_softmax_attention(
             )
         return jnp.concatenate(outputs, axis=3)
     scale = query.shape[-1] ** -0.5
-    scores = [_scores(query, k) * scale for k in keys]
+    scores = [
+        jnp.einsum("bkgtd,bksd->bkgts", query, k, preferred_element_type=jnp.float32) * scale for k in keys
+    ]
     # A large finite value rather than -inf: a fully masked row (a padding query)
     # then gets uniform weights instead of NaN, and its output is ignored anyway.
     lowest = jnp.finfo(jnp.float32).min
@@ -54,23 +56,21 @@ def masked_softmax_attention(
     row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
     weights = [jnp.exp(s - row_max) for s in scores]
     total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    # The weighted sum of values stays a `dot` even in decode: as a reduction over
-    # the strided `s` axis it measured 4-5x slower than the value-slice copy the
-    # `dot` makes.
     return sum(
         jnp.einsum("bkgts,bksd->bkgtd", (w / total).astype(v.dtype), v)
         for w, v in zip(weights, values)
     )
 
 
-def _scores(query: Array, keys: Array) -> Array:
-    """`query . keys` over head_dim: `[b, k, g, t, d] x [b, k, s, d] -> [b, k, g, t, s]`, float32."""
-    if REDUCTION_MATVEC and query.shape[-2] == 1 and keys.dtype == jnp.float32:
-        # Decode under the XLA options of `_xla_flags`: multiply + sum reads a
-        # scanned layer's cached keys where they lie; the einsum would copy (and
-        # transpose) that slice first.
-        return jnp.sum(query[:, :, :, :, None, :] * keys[:, :, None, None, :, :], axis=-1)
-    return jnp.einsum("bkgtd,bksd->bkgts", query, keys, preferred_element_type=jnp.float32)
+def use_decode_kernel(seq: int, cached: tuple | None) -> bool:
+    """Whether attention goes through `eqx_models.kernels.decode_attention`."""
+    return (
+        seq == 1
+        and cached is not None
+        and isinstance(cached[0], LayerSlice)
+        and cached[0].stack.dtype in (jnp.float32, jnp.bfloat16)
+        and kernels_available()
+    )
 
 
 class Attention(eqx.Module):
@@ -119,7 +119,7 @@ class Attention(eqx.Module):
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
         new_allowed: Bool[Array, "batch seq seq"],
-        cached: tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]] | None = None,
+        cached: tuple[LayerSlice, LayerSlice] | None = None,
         cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
     ) -> tuple[
         Float[Array, "batch seq hidden"],
@@ -127,8 +127,10 @@ class Attention(eqx.Module):
     ]:
         """Attends the new tokens to the cached ones and to each other.
 
-        Returns the output and this step's keys/values (already rotated), which the
-        caller writes into the cache.
+        `cached` is this layer's keys and values, each a `LayerSlice` of the cache's
+        `[layers, batch, kv_heads, kv_seq, head_dim]` stack. Returns the output and
+        this step's keys/values (already rotated), which the caller writes into the
+        cache.
         """
         batch, seq, _ = x.shape
         q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
@@ -140,12 +142,28 @@ class Attention(eqx.Module):
         k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
         v = v.transpose(0, 2, 1, 3)
         groups = self.num_heads // self.num_kv_heads
-        q = q.reshape(batch, self.num_kv_heads, groups, seq, self.head_dim)
-        keys, values, allowed = [k], [v], [new_allowed]
-        if cached is not None:
-            keys.insert(0, cached[0])
-            values.insert(0, cached[1])
-            allowed.insert(0, cached_allowed)
-        out = masked_softmax_attention(q, keys, values, allowed)
+        if use_decode_kernel(seq, cached):
+            # One token per row against the cache read in place. The new key/value
+            # are rounded to the cache dtype first, as the cache will hold them.
+            as_cached = lambda a: a[:, :, 0].astype(cached[0].stack.dtype).astype(jnp.float32)
+            out = decode_attention(
+                q.reshape(batch, self.num_kv_heads, groups, self.head_dim).astype(jnp.float32),
+                cached[0].stack,
+                cached[1].stack,
+                cached[0].index,
+                cached_allowed[:, 0],
+                new_allowed[:, 0, 0],
+                as_cached(k),
+                as_cached(v),
+                self.head_dim**-0.5,
+            ).astype(x.dtype)
+        else:
+            q = q.reshape(batch, self.num_kv_heads, groups, seq, self.head_dim)
+            keys, values, allowed = [k], [v], [new_allowed]
+            if cached is not None:
+                keys.insert(0, cached[0].materialize())
+                values.insert(0, cached[1].materialize())
+                allowed.insert(0, cached_allowed)
+            out = masked_softmax_attention(q, keys, values, allowed)
         out = out.reshape(batch, self.num_heads, seq, self.head_dim).transpose(0, 2, 1, 3)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)), (k, v)

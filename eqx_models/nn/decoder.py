@@ -8,7 +8,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..cache import KVCache
 from ..config import DecoderConfig
 from .attention import Attention
-from .linear import Embedding
+from .linear import Embedding, LayerSlice, Linear
 from .mlp import GatedMLP
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -49,7 +49,7 @@ class DecoderLayer(eqx.Module):
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
         new_allowed: Bool[Array, "batch seq seq"],
-        cached: tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]] | None = None,
+        cached: tuple[LayerSlice, LayerSlice] | None = None,
         cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
     ) -> tuple[
         Float[Array, "batch seq hidden"],
@@ -120,19 +120,20 @@ class Decoder(eqx.Module):
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
 
-        params, static = eqx.partition(self.layers, eqx.is_array)
-
-        def run_layer(h, layer_inputs):
-            layer_params, layer_kv = layer_inputs
-            layer = eqx.combine(layer_params, static)
+        def run_layer(h, index):
+            # Weights and cache enter the loop whole; each layer refers to its slice
+            # by index (see `LayerSlice`) rather than receiving a copy.
+            layer = _layer_view(self.layers, index)
+            layer_kv = None if cached_kv is None else tuple(LayerSlice(a, index) for a in cached_kv)
             return layer(h, cos, sin, new_allowed, layer_kv, cached_allowed)
 
+        indices = jnp.arange(self.num_layers, dtype=jnp.int32)
         if self.scan_layers:
-            x, (new_keys, new_values) = jax.lax.scan(run_layer, x, (params, cached_kv))
+            x, (new_keys, new_values) = jax.lax.scan(run_layer, x, indices)
         else:
             per_layer = []
             for i in range(self.num_layers):
-                x, kv = run_layer(x, jax.tree.map(lambda a: a[i], (params, cached_kv)))
+                x, kv = run_layer(x, indices[i])
                 per_layer.append(kv)
             new_keys = jnp.stack([k for k, _ in per_layer])
             new_values = jnp.stack([v for _, v in per_layer])
@@ -142,3 +143,17 @@ class Decoder(eqx.Module):
         if cache is not None:
             cache = cache.append(new_keys, new_values, attention_mask)
         return self.norm(x), cache
+
+
+def _layer_view(stacked: DecoderLayer, index: Int[Array, ""]) -> DecoderLayer:
+    """Layer `index` of the stack: small leaves sliced out, `Linear` weights left in
+    place as `LayerSlice`s (so decode reads them where they lie, see `nn.linear`)."""
+
+    def select(node):
+        if isinstance(node, Linear):
+            return node.layer(index)
+        if eqx.is_array(node):
+            return jax.lax.dynamic_index_in_dim(node, index, keepdims=False)
+        return node
+
+    return jax.tree.map(select, stacked, is_leaf=lambda node: isinstance(node, Linear))

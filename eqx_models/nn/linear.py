@@ -5,24 +5,51 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from .._xla_flags import REDUCTION_MATVEC
+from ..kernels import kernels_available, stacked_matvec
 
 INIT_STD = 0.02  # transformers' default `initializer_range`
-# Up to this many rows (batch x seq) a matrix-vector product is written as a
-# reduction. Measured on a 2-core x86 CPU: at 8 rows the matmul (with its slice
-# copy) is twice as fast as the reduction, at 1 row the reduction wins.
-MAX_REDUCTION_ROWS = 1
+# Up to this many rows (batch x seq) a product with a weight goes through the
+# matrix-vector kernel, which reads each weight once for all rows; beyond, XLA's
+# matmul reuses operands better and a slice copy is amortised over many rows.
+MAX_KERNEL_ROWS = 16
 
 
-def use_reduction_matvec(x: Array, weight: Array) -> bool:
-    """Whether `x @ weight.T` should be computed as multiply + sum (see `_xla_flags`)."""
+class LayerSlice(eqx.Module):
+    """One layer of a stacked array (weights `[layers, out, in]`, a KV cache
+    `[layers, batch, kv_heads, kv_seq, head_dim]`), referred to by index.
+
+    Inside the scanned decoder each `Linear` and the attention see their layer this
+    way, so the decode kernels read the slice in place instead of XLA copying it
+    out first. `materialize()` gives the slice itself for everything else.
+    """
+
+    stack: Shaped[Array, "layers *rest"]
+    index: Int[Array, ""]
+
+    def materialize(self) -> Shaped[Array, "*rest"]:
+        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+
+
+def use_matvec_kernel(x: Array, weight: Array | LayerSlice) -> bool:
+    """Whether `x @ weight.T` should go through `eqx_models.kernels.stacked_matvec`."""
+    dtype = weight.stack.dtype if isinstance(weight, LayerSlice) else weight.dtype
     return (
-        REDUCTION_MATVEC
-        and weight.dtype == jnp.float32  # a bfloat16 sum would also accumulate in bfloat16
-        and math.prod(x.shape[:-1]) <= MAX_REDUCTION_ROWS
+        math.prod(x.shape[:-1]) <= MAX_KERNEL_ROWS
+        and dtype in (jnp.float32, jnp.bfloat16)
+        and kernels_available()
     )
+
+
+def project(x: Float[Array, "*batch in"], weight: Float[Array, "out in"] | LayerSlice) -> Float[Array, "*batch out"]:
+    """`x @ weight.T`, with the decode kernel for a few rows and XLA's matmul otherwise."""
+    if use_matvec_kernel(x, weight):
+        stack, index = (weight.stack, weight.index) if isinstance(weight, LayerSlice) else (weight[None], jnp.int32(0))
+        return stacked_matvec(x.astype(jnp.float32), stack, index).astype(x.dtype)
+    if isinstance(weight, LayerSlice):
+        weight = weight.materialize()
+    return jnp.einsum("...i,oi->...o", x, weight)
 
 
 class Linear(eqx.Module):
@@ -31,7 +58,7 @@ class Linear(eqx.Module):
     Works on any leading axes, so one module serves `[batch, seq, in]` activations.
     """
 
-    weight: Float[Array, "out in"]
+    weight: Float[Array, "out in"] | LayerSlice
     bias: Float[Array, " out"] | None
 
     def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, key: PRNGKeyArray):
@@ -39,15 +66,17 @@ class Linear(eqx.Module):
         self.bias = jnp.zeros((out_features,)) if use_bias else None
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        if use_reduction_matvec(x, self.weight):
-            # Decode: one row against a (possibly scanned, stacked) weight. As
-            # multiply + sum the layer's slice is read in place; a `dot` copies it.
-            y = jnp.sum(self.weight * x[..., None, :], axis=-1)
-        else:
-            y = jnp.einsum("...i,oi->...o", x, self.weight)
+        y = project(x, self.weight)
         if self.bias is not None:
             y = y + self.bias
         return y
+
+    def layer(self, index: Int[Array, ""]) -> "Linear":
+        """This stacked `Linear`'s layer `index`, with the weight left in the stack."""
+        out = eqx.tree_at(lambda m: m.weight, self, LayerSlice(self.weight, index))
+        if self.bias is not None:
+            out = eqx.tree_at(lambda m: m.bias, out, jax.lax.dynamic_index_in_dim(self.bias, index, keepdims=False))
+        return out
 
 
 class Embedding(eqx.Module):
@@ -63,4 +92,4 @@ class Embedding(eqx.Module):
 
     def attend(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
         """Projects hidden states onto the vocabulary with the same table (tied head)."""
-        return jnp.einsum("...h,vh->...v", x, self.weight)
+        return project(x, self.weight)

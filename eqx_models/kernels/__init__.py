@@ -1,0 +1,185 @@
+"""CPU kernels for decode, compiled on first use and called through XLA's FFI.
+
+Both read one layer of a stacked array in place, given the stack and the layer
+index. Under `jax.lax.scan` over stacked layers XLA:CPU copies a dynamically
+sliced operand before its `dot` (and, written as a reduction instead, fuses
+element-wise producers into the loop and recomputes them per weight), so a decode
+step otherwise moves each layer's weights and cache slice two or three times.
+
+- `stacked_matvec(x, stack, layer)`: `x @ stack[layer].T` for a few rows of `x`.
+- `decode_attention(...)`: one new token per row attending to a layer of the
+  KV cache and to its own key/value.
+
+The C++ source ships with the package and is compiled once per source, jaxlib and
+compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
+compiler, or with `EQX_MODELS_KERNELS=0`, everything falls back to plain XLA (same
+numbers to rounding, slower decode); `kernels_status()` says which path is active.
+On other backends the XLA path is always used.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h",))
+MATVEC_TARGET = "eqx_models_stacked_matvec"
+ATTENTION_TARGET = "eqx_models_decode_attention"
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("EQX_MODELS_CACHE") or Path.home() / ".cache" / "eqx_models"
+    return Path(root) / "kernels"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+
+
+def _build(compiler: str) -> Path:
+    """Compiles the kernel library unless a build for this source and jaxlib exists."""
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    stamp = hashlib.sha256(
+        source + jax.__version__.encode() + compiler.encode() + " ".join(COMPILE_FLAGS).encode()
+    ).hexdigest()[:16]
+    library = _cache_dir() / f"libeqx_models_kernels-{stamp}.so"
+    if library.exists():
+        return library
+    library.parent.mkdir(parents=True, exist_ok=True)
+    # Build next to the destination and rename: concurrent first uses never see a
+    # half-written library.
+    with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
+        partial = Path(scratch) / library.name
+        command = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"compiling the kernels failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
+        os.replace(partial, library)
+    return library
+
+
+@functools.cache
+def _load() -> str | None:
+    """Builds and registers the kernels; returns why not, or None when they are ready."""
+    if os.environ.get("EQX_MODELS_KERNELS", "1") == "0":
+        return "disabled by EQX_MODELS_KERNELS=0"
+    compiler = _compiler()
+    if compiler is None:
+        return "no C++ compiler found (set CXX)"
+    try:
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+    except (OSError, RuntimeError) as error:
+        warnings.warn(f"eqx_models: CPU decode kernels unavailable, using plain XLA ({error})", stacklevel=3)
+        return str(error)
+    jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(library.EqxStackedMatvec), platform="cpu")
+    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxDecodeAttention), platform="cpu")
+    return None
+
+
+def kernels_status() -> str:
+    """`"ready"`, or the reason the CPU kernels are not used."""
+    reason = _load()
+    return "ready" if reason is None else reason
+
+
+def kernels_available() -> bool:
+    """Whether the compiled kernels run on the CPU backend."""
+    return _load() is None
+
+
+def _reference(x: Array, stack: Array, layer: Array) -> Array:
+    weight = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
+    return jnp.einsum("...i,oi->...o", x, weight.astype(jnp.float32))
+
+
+def _kernel(x: Array, stack: Array, layer: Array) -> Array:
+    call = jax.ffi.ffi_call(
+        MATVEC_TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + stack.shape[1:2], jnp.float32), vmap_method="sequential"
+    )
+    return call(x, stack, layer.astype(jnp.int32).reshape(()))
+
+
+@jax.custom_jvp
+def stacked_matvec(
+    x: Float[Array, "*rows in"], stack: Float[Array, "layers out in"], layer: Int[Array, ""]
+) -> Float[Array, "*rows out"]:
+    """`x @ stack[layer].T` in float32, reading the layer's slice of `stack` in place.
+
+    Meant for a few rows (decode); `stack` may be float32 or bfloat16. On the CPU
+    with the kernels built this is one custom call; elsewhere it is the XLA
+    `dot` of the slice. Differentiable (the derivative uses the XLA form).
+    """
+    if not kernels_available():
+        return _reference(x, stack, layer)
+    return jax.lax.platform_dependent(x, stack, layer, cpu=_kernel, default=_reference)
+
+
+@stacked_matvec.defjvp
+def _stacked_matvec_jvp(primals, tangents):
+    x, stack, layer = primals
+    x_dot, stack_dot, _ = tangents
+    weight = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(jnp.float32)
+    weight_dot = jax.lax.dynamic_index_in_dim(stack_dot, layer, keepdims=False).astype(jnp.float32)
+    out = stacked_matvec(x, stack, layer)
+    out_dot = jnp.einsum("...i,oi->...o", x_dot, weight) + jnp.einsum("...i,oi->...o", x, weight_dot)
+    return out, out_dot
+
+
+def _attention_reference(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, scale):
+    keys = jax.lax.dynamic_index_in_dim(key_stack, layer, keepdims=False).astype(jnp.float32)
+    values = jax.lax.dynamic_index_in_dim(value_stack, layer, keepdims=False).astype(jnp.float32)
+    keys = jnp.concatenate([keys, new_key[:, :, None]], axis=2)
+    values = jnp.concatenate([values, new_value[:, :, None]], axis=2)
+    allowed = jnp.concatenate([valid, self_valid[:, None]], axis=1)
+    allowed = allowed | ~jnp.any(allowed, axis=1, keepdims=True)  # nothing allowed: average all
+    scores = scale * jnp.einsum("bkgd,bksd->bkgs", query, keys)
+    scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
+    return jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(scores, axis=-1), values)
+
+
+def _attention_kernel(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, scale):
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(query.shape, jnp.float32), vmap_method="sequential")
+    return call(
+        query, key_stack, value_stack, layer.astype(jnp.int32).reshape(()), valid, self_valid, new_key, new_value,
+        scale=np.float32(scale),
+    )
+
+
+def decode_attention(
+    query: Float[Array, "batch kv_heads groups head_dim"],
+    key_stack: Float[Array, "layers batch kv_heads kv_seq head_dim"],
+    value_stack: Float[Array, "layers batch kv_heads kv_seq head_dim"],
+    layer: Int[Array, ""],
+    valid: Bool[Array, "batch kv_seq"],
+    self_valid: Bool[Array, " batch"],
+    new_key: Float[Array, "batch kv_heads head_dim"],
+    new_value: Float[Array, "batch kv_heads head_dim"],
+    scale: float,
+) -> Float[Array, "batch kv_heads groups head_dim"]:
+    """Softmax attention of one new token per row, float32.
+
+    Each row's `groups` query heads per key/value head attend to the slots of
+    `key_stack[layer]`/`value_stack[layer]` where `valid`, and to the token's own
+    `new_key`/`new_value` where `self_valid`; a row with nothing allowed averages
+    every slot (its output is padding). Inference only: no derivative is defined.
+    """
+    args = (query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value)
+    reference = functools.partial(_attention_reference, scale=scale)
+    if not kernels_available():
+        return reference(*args)
+    kernel = functools.partial(_attention_kernel, scale=scale)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)

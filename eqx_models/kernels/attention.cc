@@ -1,0 +1,184 @@
+// Single-token decode attention over one layer of a stacked KV cache, as an XLA
+// FFI custom call.
+//
+// For every batch row b and key/value head h, the G query heads of the group
+// attend to the cached keys/values of layer `layer` (slots where `valid[b, s]`),
+// and to this step's own key/value. The cache operands are the whole stacks
+// `[layers, batch, kv_heads, kv_seq, head_dim]`, read in place: XLA:CPU copies a
+// layer's slice out of the stack before its own `dot`s. Softmax and accumulation
+// are float32; the cache may be float32 or bfloat16.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "parallel_for.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t bits) {
+  uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float out;
+  std::memcpy(&out, &wide, sizeof(out));
+  return out;
+}
+
+// Sixteen partial sums, so the loop vectorises without reassociating float math.
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
+  float partial[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) partial[j] += a[i + j] * to_float(b[i + j]);
+  float sum = 0.0f;
+  for (; i < n; ++i) sum += a[i] * to_float(b[i]);
+  for (int j = 0; j < 16; ++j) sum += partial[j];
+  return sum;
+}
+
+struct Problem {
+  const float* q;      // [B, H, G, D]
+  const void* keys;    // this layer: [B, H, S, D]
+  const void* values;  // this layer: [B, H, S, D]
+  const bool* valid;   // [B, S]
+  const bool* self_valid;  // [B]
+  const float* k_new;  // [B, H, D]
+  const float* v_new;  // [B, H, D]
+  float* out;          // [B, H, G, D]
+  int64_t B, H, G, S, D;
+  float scale;
+  bool bf16;
+};
+
+// One (batch row, kv head): scores for all slots, softmax, weighted sum of values.
+// Slots are visited in order, so keys and values stream from memory once each.
+template <typename T>
+__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
+  const int64_t S = p.S, D = p.D, G = p.G;
+  const T* keys = static_cast<const T*>(p.keys) + (b * p.H + h) * S * D;
+  const T* values = static_cast<const T*>(p.values) + (b * p.H + h) * S * D;
+  const bool* valid = p.valid + b * S;
+  const float* q = p.q + (b * p.H + h) * G * D;
+  const float* k_new = p.k_new + (b * p.H + h) * D;
+  const float* v_new = p.v_new + (b * p.H + h) * D;
+  float* out = p.out + (b * p.H + h) * G * D;
+
+  // A row with nothing to attend to (a padding query) averages every slot, as the
+  // XLA path does: its output is ignored, but it must stay finite.
+  bool any = p.self_valid[b];
+  for (int64_t s = 0; s < S && !any; ++s) any = valid[s];
+
+  // scores[g * (S + 1) + s]; slot S is this step's own key.
+  scores.assign(G * (S + 1), 0.0f);
+  std::vector<float> row_max(G, -INFINITY);
+  for (int64_t s = 0; s <= S; ++s) {
+    const bool allowed = !any || (s < S ? valid[s] : p.self_valid[b]);
+    if (!allowed) continue;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      const float score = p.scale * (s < S ? dot(qg, keys + s * D, D) : dot(qg, k_new, D));
+      scores[g * (S + 1) + s] = score;
+      row_max[g] = std::max(row_max[g], score);
+    }
+  }
+  std::vector<float> total(G, 0.0f);
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = scores.data() + g * (S + 1);
+    for (int64_t s = 0; s <= S; ++s) {
+      const bool allowed = !any || (s < S ? valid[s] : p.self_valid[b]);
+      sg[s] = allowed ? std::exp(sg[s] - row_max[g]) : 0.0f;
+      total[g] += sg[s];
+    }
+  }
+  std::fill(out, out + G * D, 0.0f);
+  for (int64_t s = 0; s <= S; ++s) {
+    for (int64_t g = 0; g < G; ++g) {
+      const float weight = scores[g * (S + 1) + s] / total[g];
+      if (weight == 0.0f) continue;
+      float* og = out + g * D;
+      if (s < S) {
+        const T* v = values + s * D;
+        for (int64_t d = 0; d < D; ++d) og[d] += weight * to_float(v[d]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) og[d] += weight * v_new[d];
+      }
+    }
+  }
+}
+
+// One clone per instruction set, chosen when the library loads.
+#if defined(__x86_64__)
+#define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define CLONES
+#endif
+CLONES void attend_f32(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
+  attend_one<float>(p, b, h, scores);
+}
+CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
+  attend_one<uint16_t>(p, b, h, scores);
+}
+
+ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
+                           ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
+                           ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
+                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, float scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
+  auto q_dims = q.dimensions();
+  auto c_dims = keys.dimensions();
+  if (q_dims.size() != 4 || c_dims.size() != 5)
+    return ffi::Error::InvalidArgument(
+        "decode_attention: want q [batch, kv_heads, groups, head_dim] and caches "
+        "[layers, batch, kv_heads, kv_seq, head_dim]");
+  const bool bf16 = keys.element_type() == ffi::DataType::BF16;
+  if (keys.element_type() != values.element_type() || (!bf16 && keys.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("decode_attention: caches must both be float32 or bfloat16");
+  const int64_t layers = c_dims[0], B = c_dims[1], H = c_dims[2], S = c_dims[3], D = c_dims[4];
+  if (q_dims[0] != B || q_dims[1] != H || q_dims[3] != D)
+    return ffi::Error::InvalidArgument("decode_attention: query and cache shapes disagree");
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= layers)
+    return ffi::Error::InvalidArgument("decode_attention: layer index out of range");
+
+  const int64_t bytes = bf16 ? 2 : 4;
+  const int64_t layer_offset = index * B * H * S * D * bytes;
+  const Problem problem{q.typed_data(),
+                        static_cast<const char*>(keys.untyped_data()) + layer_offset,
+                        static_cast<const char*>(values.untyped_data()) + layer_offset,
+                        valid.typed_data(),
+                        self_valid.typed_data(),
+                        k_new.typed_data(),
+                        v_new.typed_data(),
+                        out->typed_data(),
+                        B, H, q_dims[2], S, D, scale, bf16};
+  eqx_models::parallel_for(pool, B * H, [&](int64_t task) {
+    thread_local std::vector<float> scores;
+    if (bf16)
+      attend_bf16(problem, task / H, task % H, scores);
+    else
+      attend_f32(problem, task / H, task % H, scores);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxDecodeAttention, DecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,103 @@
+"""The CPU decode kernels against plain XLA, and the model with and without them."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_models.kernels import (
+    _attention_reference,
+    _reference,
+    decode_attention,
+    kernels_status,
+    stacked_matvec,
+)
+
+
+def test_kernels_build_here():
+    # CI machines have a C++ compiler; a silent fallback would hide a broken build.
+    assert kernels_status() == "ready"
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("out_features, in_features", [(37, 19), (64, 1024), (130, 48), (20, 70)])
+def test_stacked_matvec_equals_dot_of_the_slice(dtype, rows, out_features, in_features):
+    rng = np.random.default_rng(rows * 1000 + out_features + in_features)
+    stack = jnp.asarray(rng.standard_normal((3, out_features, in_features)), dtype)
+    x = jnp.asarray(rng.standard_normal((rows, in_features)), jnp.float32)
+    exact = np.asarray(x, np.float64) @ np.asarray(stack[2].astype(jnp.float32), np.float64).T
+    got = jax.jit(stacked_matvec)(x, stack, jnp.int32(2))
+    assert got.shape == (rows, out_features) and got.dtype == jnp.float32
+    np.testing.assert_allclose(got, exact, atol=1e-5 * np.sqrt(in_features), rtol=0)
+
+
+def test_stacked_matvec_keeps_leading_axes_and_differentiates():
+    rng = np.random.default_rng(0)
+    stack = jnp.asarray(rng.standard_normal((2, 6, 5)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 1, 5)), jnp.float32)
+    assert stacked_matvec(x, stack, jnp.int32(1)).shape == (2, 1, 6)
+    loss = lambda x, s: jnp.sum(stacked_matvec(x, s, jnp.int32(1)) ** 2)
+    reference = lambda x, s: jnp.sum(_reference(x, s, jnp.int32(1)) ** 2)
+    for got, want in zip(jax.grad(loss, (0, 1))(x, stack), jax.grad(reference, (0, 1))(x, stack)):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize(
+    "layers, batch, kv_heads, groups, kv_seq, head_dim",
+    [(3, 2, 2, 2, 7, 16), (2, 1, 8, 2, 300, 128), (2, 3, 1, 4, 33, 12), (1, 2, 4, 1, 64, 64)],
+)
+def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_heads, groups, kv_seq, head_dim):
+    rng = np.random.default_rng(kv_seq + head_dim)
+    query = rng.standard_normal((batch, kv_heads, groups, head_dim)).astype(np.float32)
+    keys = jnp.asarray(3 * rng.standard_normal((layers, batch, kv_heads, kv_seq, head_dim)), dtype)
+    values = jnp.asarray(rng.standard_normal((layers, batch, kv_heads, kv_seq, head_dim)), dtype)
+    valid = rng.random((batch, kv_seq)) < 0.7
+    self_valid = np.ones(batch, bool)
+    if batch > 1:  # one padding row with nothing to attend to: must stay finite
+        valid[-1], self_valid[-1] = False, False
+    new_key = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    new_value = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    args = (query, keys, values, jnp.int32(layers - 1), valid, self_valid, new_key, new_value)
+    got = jax.jit(decode_attention, static_argnums=8)(*args, head_dim**-0.5)
+    want = _attention_reference(*args, scale=head_dim**-0.5)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_model_without_kernels_gives_the_same_tokens_and_logits(tmp_path):
+    """`EQX_MODELS_KERNELS=0` (no compiler) falls back to XLA with the same results."""
+    script = """
+import sys, jax, jax.numpy as jnp, numpy as np, eqx_models
+from eqx_models.kernels import kernels_status
+config = eqx_models.DecoderConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=96,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    max_position_embeddings=256, use_qk_norm=True)
+model = eqx_models.CausalLM(config, key=jax.random.key(0))
+import equinox as eqx
+from eqx_models.nn.linear import Embedding, Linear
+is_weighted = lambda x: isinstance(x, (Linear, Embedding))
+weights = lambda m: [l.weight for l in jax.tree.leaves(m, is_leaf=is_weighted) if is_weighted(l)]
+model = eqx.tree_at(weights, model, [w / (0.02 * np.sqrt(w.shape[-1])) for w in weights(model)])
+ids = np.random.default_rng(0).integers(0, 101, (2, 9))
+cache = model.init_cache(2, 16)
+_, cache = model(ids, cache=cache)
+logits, _ = model(ids[:, :1], cache=cache)
+tokens = eqx_models.generate(model, ids, max_new_tokens=6)
+np.savez(sys.argv[1], logits=np.asarray(logits), tokens=np.asarray(tokens), status=kernels_status())
+"""
+    results = {}
+    for flag in ("1", "0"):
+        out = tmp_path / f"kernels_{flag}.npz"
+        env = dict(os.environ, EQX_MODELS_KERNELS=flag)
+        subprocess.run([sys.executable, "-c", script, str(out)], env=env, check=True)
+        results[flag] = np.load(out)
+    assert str(results["1"]["status"]) == "ready" and "EQX_MODELS_KERNELS=0" in str(results["0"]["status"])
+    assert 1.0 < np.abs(results["0"]["logits"]).max() < 100.0
+    np.testing.assert_allclose(results["1"]["logits"], results["0"]["logits"], atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(results["1"]["tokens"], results["0"]["tokens"])
