@@ -2,11 +2,13 @@
 
 A Qwen3-0.6B-shaped model with random float32 weights is created with
 `transformers`, saved, and loaded by both libraries. For batch sizes 1 and 8 it
-times a 128-token prefill and 32 single-token decode steps (cache in place), and
-the decode step's compile time. The floor is the weight bytes divided by the read
-bandwidth measured with all cores. Writes `benchmarks/results/decode.json`.
+times a 128-token prefill and 32 single-token decode steps (cache in place), the
+libraries taking turns every four steps, and the decode step's compile time. At
+batch 1 a bfloat16 copy of our model takes turns too, and its logits are compared
+with float32. The floor is the weight bytes divided by the read bandwidth measured
+with all cores. Writes `benchmarks/results/decode.json`.
 
-    python benchmarks/decode.py [--layers 28] [--batch-sizes 1 8] [--new-tokens 32]
+    python benchmarks/decode.py [--layers 28] [--batch-sizes 1 8] [--new-tokens 32] [--no-bfloat16]
 """
 
 import argparse
@@ -17,6 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -66,79 +69,117 @@ def read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 10) -> dict[str, f
     return out
 
 
-def time_ours(model, prompt: np.ndarray, new_tokens: int) -> dict[str, float]:
+def prepare_ours(model, prompt: np.ndarray, new_tokens: int):
+    """Compiles prefill and decode; returns (prefill, step, figures) for interleaved timing."""
     batch, length = prompt.shape
     ids, mask = jnp.asarray(prompt), jnp.ones(prompt.shape, jnp.int32)
-    max_length = length + new_tokens
+    max_length = length + new_tokens + 1
     sampling = Sampling()
     key = jax.random.key(0)
 
     start = time.perf_counter()
-    compiled_prefill = _prefill.lower(model, ids, mask, key, max_length, sampling, ()).compile()
+    _prefill.lower(model, ids, mask, key, max_length, sampling, ()).compile()
     prefill_compile = time.perf_counter() - start
-    del compiled_prefill
     state, token = _prefill(model, ids, mask, key, max_length, sampling, ())
-    jax.block_until_ready(token)
-    prefill_times = []
-    for _ in range(3):
-        start = time.perf_counter()
-        state, token = _prefill(model, ids, mask, key, max_length, sampling, ())
-        jax.block_until_ready(token)
-        prefill_times.append(time.perf_counter() - start)
-
     dummy = DecodeState(model.init_cache(batch, max_length), token, jnp.zeros(batch, bool), key)
     start = time.perf_counter()
     compiled = _decode_step.lower(model, dummy, sampling, (), 0).compile()
     decode_compile = time.perf_counter() - start
     memory = compiled.compiled.memory_analysis()
     del dummy
-    state, token = _decode_step(model, state, sampling, (), 0)  # warm-up
-    jax.block_until_ready(token)
-    step_times = []
-    for _ in range(new_tokens - 1):
-        start = time.perf_counter()
-        state, token = _decode_step(model, state, sampling, (), 0)
+    current = {}
+
+    def prefill():
+        current["state"], token = _prefill(model, ids, mask, key, max_length, sampling, ())
         jax.block_until_ready(token)
-        step_times.append(time.perf_counter() - start)
-    cache_bytes = state.cache.keys.nbytes + state.cache.values.nbytes
-    return {
-        "prefill_s": min(prefill_times),
-        "prefill_tokens_per_s": batch * length / min(prefill_times),
-        "decode_ms_per_step": 1e3 * float(np.median(step_times)),
-        "decode_tokens_per_s": batch / float(np.median(step_times)),
+
+    def step():
+        current["state"], token = _decode_step(model, current["state"], sampling, (), 0)
+        jax.block_until_ready(token)
+
+    figures = {
         "prefill_compile_s": prefill_compile,
         "decode_compile_s": decode_compile,
         "decode_temp_bytes": int(memory.temp_size_in_bytes),
         "decode_alias_bytes": int(memory.alias_size_in_bytes),
-        "cache_bytes": int(cache_bytes),
+        "cache_bytes": int(state.cache.keys.nbytes + state.cache.values.nbytes),
     }
+    return prefill, step, figures
 
 
-def time_transformers(model, prompt: np.ndarray, new_tokens: int) -> dict[str, float]:
+def prepare_transformers(model, prompt: np.ndarray):
     from transformers import DynamicCache
 
-    batch, length = prompt.shape
     ids = torch.tensor(prompt)
-    with torch.inference_mode():
-        prefill_times = []
-        for _ in range(3):
-            cache = DynamicCache()
-            start = time.perf_counter()
-            out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            prefill_times.append(time.perf_counter() - start)
-        token = out.logits[:, -1].argmax(-1, keepdim=True)
-        step_times = []
-        for _ in range(new_tokens):
-            start = time.perf_counter()
-            out = model(token, past_key_values=cache, use_cache=True)
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            step_times.append(time.perf_counter() - start)
-    step = float(np.median(step_times[1:]))
+    current = {}
+
+    @torch.inference_mode()
+    def prefill():
+        current["cache"] = DynamicCache()
+        out = model(ids, past_key_values=current["cache"], use_cache=True, logits_to_keep=1)
+        current["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def step():
+        out = model(current["token"], past_key_values=current["cache"], use_cache=True)
+        current["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return prefill, step
+
+
+def interleaved(functions: dict, rounds: int, calls_per_round: int, settle_s: float = 0.5) -> dict[str, list[float]]:
+    """Times each function `calls_per_round` times per round, the libraries taking turns.
+
+    The machine's speed drifts by tens of percent over minutes; taking turns keeps
+    the drift out of the ratios. Between turns the process sleeps `settle_s`: torch's
+    OpenMP workers spin for a while after a parallel region (and XLA's pool briefly
+    too), which would take a core from whoever runs next.
+    """
+    times = {name: [] for name in functions}
+    for _ in range(rounds):
+        for name, function in functions.items():
+            time.sleep(settle_s)
+            for _ in range(calls_per_round):
+                start = time.perf_counter()
+                function()
+                times[name].append(time.perf_counter() - start)
+    return times
+
+
+def measure(contenders: dict, batch: int, length: int, new_tokens: int) -> dict[str, dict]:
+    """Prefill and decode figures for each contender `name -> (prefill, step, figures)`."""
+    for prefill, step, _ in contenders.values():
+        prefill()  # warm-up: compile, allocate
+        prefill()
+        step()
+    prefills = interleaved({name: c[0] for name, c in contenders.items()}, rounds=3, calls_per_round=1)
+    for prefill, step, _ in contenders.values():
+        prefill()
+        step()  # the first step after a prefill may still touch cold pages
+    steps = interleaved({name: c[1] for name, c in contenders.items()}, rounds=new_tokens // 4, calls_per_round=4)
+    results = {}
+    for name, (_, _, figures) in contenders.items():
+        best_prefill = min(prefills[name])
+        step = float(np.median(steps[name]))
+        results[name] = {
+            "prefill_s": best_prefill,
+            "prefill_tokens_per_s": batch * length / best_prefill,
+            "decode_ms_per_step": 1e3 * step,
+            "decode_tokens_per_s": batch / step,
+            "decode_steps_timed": len(steps[name]),
+            **figures,
+        }
+    return results
+
+
+def bfloat16_logit_diff(model32, model16, prompt: np.ndarray) -> dict[str, float]:
+    ids = jnp.asarray(prompt[:1])
+    logits32, _ = eqx.filter_jit(lambda m, i: m(i))(model32, ids)
+    logits16, _ = eqx.filter_jit(lambda m, i: m(i))(model16, ids)
     return {
-        "prefill_s": min(prefill_times),
-        "prefill_tokens_per_s": batch * length / min(prefill_times),
-        "decode_ms_per_step": 1e3 * step,
-        "decode_tokens_per_s": batch / step,
+        "max_abs_logit_diff_vs_float32": float(jnp.abs(logits16.astype(jnp.float32) - logits32).max()),
+        "max_abs_logit_float32": float(jnp.abs(logits32).max()),
+        "greedy_agreement_vs_float32": float(jnp.mean(jnp.argmax(logits16, -1) == jnp.argmax(logits32, -1))),
     }
 
 
@@ -149,6 +190,8 @@ def main():
     parser.add_argument("--prompt-length", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--output", type=Path, default=RESULTS / "decode.json")
+    parser.add_argument("--bfloat16", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time a bfloat16 copy of the model at batch 1 (default: on)")
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -184,14 +227,28 @@ def main():
     rng = np.random.default_rng(0)
     for batch in args.batch_sizes:
         prompt = rng.integers(0, config.vocab_size, (batch, args.prompt_length))
-        ours = time_ours(model, prompt, args.new_tokens)
-        theirs = time_transformers(reference, prompt, args.new_tokens)
+        contenders = {
+            "eqx_models": prepare_ours(model, prompt, args.new_tokens),
+            "transformers": (*prepare_transformers(reference, prompt), {}),
+        }
+        if batch == 1 and args.bfloat16:
+            model16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
+            contenders["eqx_models_bfloat16"] = prepare_ours(model16, prompt, args.new_tokens)
+        timed = measure(contenders, batch, args.prompt_length, args.new_tokens)
+        ours, theirs = timed["eqx_models"], timed["transformers"]
         run = {
             "batch": batch,
             "eqx_models": ours,
             "transformers": theirs,
             "decode_speedup_vs_transformers": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
         }
+        if "eqx_models_bfloat16" in timed:
+            run["eqx_models_bfloat16"] = {
+                **timed["eqx_models_bfloat16"],
+                "decode_speedup_vs_own_float32": timed["eqx_models_bfloat16"]["decode_tokens_per_s"] / ours["decode_tokens_per_s"],
+                **bfloat16_logit_diff(model, model16, prompt),
+            }
+            del model16, contenders
         results["runs"].append(run)
         print(json.dumps(run, indent=1), flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)

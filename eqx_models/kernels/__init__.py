@@ -38,7 +38,7 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attent
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h",))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
-COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fno-math-errno")
+COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
 def _cache_dir() -> Path:

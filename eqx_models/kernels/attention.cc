@@ -125,7 +125,7 @@ CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<floa
   attend_one<uint16_t>(p, b, h, scores);
 }
 
-ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
+ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, float scale,
@@ -157,7 +157,7 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
                         v_new.typed_data(),
                         out->typed_data(),
                         B, H, q_dims[2], S, D, scale, bf16};
-  eqx_models::parallel_for(pool, B * H, [&](int64_t task) {
+  eqx_models::parallel_for(B * H, [&](int64_t task) {
     thread_local std::vector<float> scores;
     if (bf16)
       attend_bf16(problem, task / H, task % H, scores);
@@ -171,7 +171,6 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxDecodeAttention, DecodeAttention,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
