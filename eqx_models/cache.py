@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .kernels import write_slots
+
 
 class KVCache(eqx.Module):
     """Keys and values of every layer, preallocated for `max_length` slots.
@@ -81,9 +83,8 @@ class KVCache(eqx.Module):
             "KVCache overflow: the tokens of this call do not fit in the cache's "
             "max_length slots. Create a larger cache with model.init_cache(batch, max_length).",
         )
-        start = (0, 0, 0, length, 0)
-        keys = jax.lax.dynamic_update_slice(self.keys, new_keys.astype(self.keys.dtype), start)
-        values = jax.lax.dynamic_update_slice(self.values, new_values.astype(self.values.dtype), start)
+        keys = _write(self.keys, new_keys, length)
+        values = _write(self.values, new_values, length)
         valid = jax.lax.dynamic_update_slice(self.valid, attention_mask.astype(bool), (0, length))
         return KVCache(
             keys=keys,
@@ -92,3 +93,11 @@ class KVCache(eqx.Module):
             positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
             length=length + seq,
         )
+
+
+
+def _write(buffer: Array, update: Array, start: Array) -> Array:
+    if buffer.dtype in (jnp.bfloat16, jnp.float16):
+        # XLA:CPU would widen this write to float32 and rewrite the whole cache.
+        return write_slots(buffer, update, start)
+    return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), (0, 0, 0, start, 0))

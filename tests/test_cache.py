@@ -166,11 +166,13 @@ def test_runtime_shape_checking_is_on(model):
         model(np.zeros((4,), np.int32))
 
 
-def test_decode_step_reads_weights_and_cache_in_place():
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_step_reads_weights_and_cache_in_place(dtype):
     from eqx_models.kernels import kernels_status
 
     assert kernels_status() == "ready", f"the CPU decode kernels did not build: {kernels_status()}"
     model = small_model(seed=5, num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4, head_dim=64)
+    model = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model)
     state = DecodeState(model.init_cache(1, 512), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
     compiled = _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
     layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.model.layers)) // 6

@@ -15,6 +15,7 @@ from eqx_models.kernels import (
     decode_attention,
     kernels_status,
     stacked_matvec,
+    write_slots,
 )
 
 
@@ -68,6 +69,19 @@ def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_head
     want = _attention_reference(*args, scale=head_dim**-0.5)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_write_slots_writes_only_the_new_slots(dtype):
+    rng = np.random.default_rng(1)
+    buffer = jnp.asarray(rng.standard_normal((2, 3, 2, 10, 4)), dtype)
+    update = jnp.asarray(rng.standard_normal((2, 3, 2, 3, 4)), dtype)
+    got = jax.jit(write_slots)(buffer, update, jnp.int32(6))
+    want = np.asarray(buffer).copy()
+    want[:, :, :, 6:9] = np.asarray(update)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    with pytest.raises(Exception, match="do not fit"):
+        jax.block_until_ready(jax.jit(write_slots)(buffer, update, jnp.int32(8)))
 
 
 def test_model_without_kernels_gives_the_same_tokens_and_logits(tmp_path):

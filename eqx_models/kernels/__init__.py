@@ -9,6 +9,9 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `stacked_matvec(x, stack, layer)`: `x @ stack[layer].T` for a few rows of `x`.
 - `decode_attention(...)`: one new token per row attending to a layer of the
   KV cache and to its own key/value.
+- `write_slots(buffer, update, start)`: the cache write of a step, in place for
+  bfloat16 too (XLA:CPU widens a bfloat16 update to float32 and rewrites the
+  whole buffer).
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
@@ -32,12 +35,13 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc", "cache_write.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h",))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
+WRITE_TARGET = "eqx_models_write_slots"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -87,6 +91,7 @@ def _load() -> str | None:
         return str(error)
     jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(library.EqxStackedMatvec), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxDecodeAttention), platform="cpu")
+    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.EqxWriteSlots), platform="cpu")
     return None
 
 
@@ -183,3 +188,33 @@ def decode_attention(
         return reference(*args)
     kernel = functools.partial(_attention_kernel, scale=scale)
     return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+
+
+def _write_reference(buffer: Array, update: Array, start: Array) -> Array:
+    # On the raw 16-bit patterns: no float arithmetic for XLA to widen.
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
+    written = jax.lax.dynamic_update_slice(bits(buffer), bits(update), (0, 0, 0, start, 0))
+    return jax.lax.bitcast_convert_type(written, buffer.dtype) if buffer.dtype.itemsize == 2 else written
+
+
+def _write_kernel(buffer: Array, update: Array, start: Array) -> Array:
+    call = jax.ffi.ffi_call(
+        WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype), input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    return call(buffer, update, start.astype(jnp.int32).reshape(()))
+
+
+def write_slots(
+    buffer: Shaped[Array, "layers batch kv_heads kv_seq head_dim"],
+    update: Shaped[Array, "layers batch kv_heads new head_dim"],
+    start: Int[Array, ""],
+) -> Shaped[Array, "layers batch kv_heads kv_seq head_dim"]:
+    """`buffer` with `update` written at slot `start` of axis 3 (in place when donated).
+
+    The caller checks that the slots fit; the kernel refuses to write past the end.
+    """
+    update = update.astype(buffer.dtype)
+    if not kernels_available():
+        return _write_reference(buffer, update, start)
+    return jax.lax.platform_dependent(buffer, update, start, cpu=_write_kernel, default=_write_reference)
