@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from ..kernels import decode_attention, kernels_available
-from .linear import LayerSlice, Linear
+from .linear import LayerSlice, Linear, project_together
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -133,9 +133,10 @@ class Attention(eqx.Module):
         cache.
         """
         batch, seq, _ = x.shape
-        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim)
-        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = project_together(x, [self.q_proj, self.k_proj, self.v_proj])
+        q = q.reshape(batch, seq, self.num_heads, self.head_dim)
+        k = k.reshape(batch, seq, self.num_kv_heads, self.head_dim)
+        v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)

@@ -1,5 +1,6 @@
 """Linear and embedding layers that store weights in the Hugging Face layout."""
 
+import itertools
 import math
 
 import equinox as eqx
@@ -50,6 +51,24 @@ def project(x: Float[Array, "*batch in"], weight: Float[Array, "out in"] | Layer
     if isinstance(weight, LayerSlice):
         weight = weight.materialize()
     return jnp.einsum("...i,oi->...o", x, weight)
+
+
+def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> list[Float[Array, "*batch _"]]:
+    """`[layer(x) for layer in layers]`, as one matmul over the concatenated weights
+    when that is the faster form.
+
+    For many rows (prefill) one large matmul beats several smaller ones that XLA
+    would run side by side on the same cores, and the weights of a scanned layer
+    are copied out of the stack either way. For a few rows each projection goes
+    through the decode kernel, which reads the weights in place.
+    """
+    if use_matvec_kernel(x, layers[0].weight):
+        return [layer(x) for layer in layers]
+    weights = [l.weight.materialize() if isinstance(l.weight, LayerSlice) else l.weight for l in layers]
+    joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))
+    splits = list(itertools.accumulate(w.shape[0] for w in weights))[:-1]
+    outs = jnp.split(joined, splits, axis=-1)
+    return [y if l.bias is None else y + l.bias for y, l in zip(outs, layers)]
 
 
 class Linear(eqx.Module):

@@ -4,7 +4,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from .linear import Linear
+from .linear import Linear, project_together
 
 ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu}
 
@@ -34,4 +34,5 @@ class GatedMLP(eqx.Module):
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
         act = ACTIVATIONS[self.hidden_act]
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project_together(x, [self.gate_proj, self.up_proj])
+        return self.down_proj(act(gate) * up)
