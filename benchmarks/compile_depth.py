@@ -1,8 +1,11 @@
 """Compile time of the decode step vs depth, scanned and unrolled layers.
 
-Builds Qwen3-0.6B-wide models (random weights) with 2 to 28 layers and times
-`lower().compile()` of the donated decode step, with `scan_layers=True` and
-`False`. Writes `benchmarks/results/compile_depth.json`.
+Describes Qwen3-0.6B-wide models with 2 to 28 layers by shape only
+(`eqx.filter_eval_shape`, nothing allocated) and times tracing, lowering and
+compiling the decode step, with `scan_layers=True` and `False`. Abstract inputs
+keep the measurement about the compiler: with gigabytes of freshly allocated
+weights beside it the same compile took up to twice as long on this machine.
+Writes `benchmarks/results/compile_depth.json`.
 
     python benchmarks/compile_depth.py [--depths 2 7 14 28]
 """
@@ -13,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 
@@ -23,9 +27,19 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def compile_seconds(model: eqx_models.CausalLM, batch: int = 1, max_length: int = 256) -> float:
-    state = DecodeState(model.init_cache(batch, max_length), jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool), jax.random.key(0))
+    """Seconds to trace, lower and compile the decode step for `model` given by shapes."""
+    state = eqx.filter_eval_shape(
+        lambda m: DecodeState(m.init_cache(batch, max_length), jnp.zeros(batch, jnp.int32), jnp.zeros(batch, bool), jax.random.key(0)),
+        model,
+    )
+    is_shape = lambda x: isinstance(x, jax.ShapeDtypeStruct)
+    model_shapes, model_static = eqx.partition(model, is_shape, is_leaf=is_shape)
+    state_shapes, state_static = eqx.partition(state, is_shape, is_leaf=is_shape)
+    step = jax.jit(
+        lambda m, s: _decode_step(eqx.combine(m, model_static), eqx.combine(s, state_static), Sampling(), (), 0)
+    )
     start = time.perf_counter()
-    _decode_step.lower(model, state, Sampling(), (), 0).compile()
+    step.lower(model_shapes, state_shapes).compile()
     return time.perf_counter() - start
 
 
@@ -48,7 +62,7 @@ def main():
             # because the shared machine adds noise, never speed.
             fields = {**QWEN3_0_6B, "num_hidden_layers": depth, "vocab_size": QWEN3_0_6B["vocab_size"] + repeat}
             config = eqx_models.DecoderConfig(model_type="qwen3", use_qk_norm=True, **fields)
-            model = eqx_models.CausalLM(config, key=jax.random.key(depth))
+            model = eqx.filter_eval_shape(lambda: eqx_models.CausalLM(config, key=jax.random.key(depth)))
             for scan in (True, False):
                 name = "scan_s" if scan else "unrolled_s"
                 run[name] = min(run[name], compile_seconds(model.with_scan_layers(scan)))

@@ -17,30 +17,55 @@ def load(name: str) -> dict | None:
 
 def decode_table(decode: dict) -> str:
     rows = [
-        "| batch | eqx_models ms/step | transformers ms/step | eqx_models tok/s | transformers tok/s | ratio | decode temp MB |",
-        "|---|---|---|---|---|---|---|",
+        "| batch | weights | eqx_models ms/step | transformers ms/step | eqx_models tok/s | transformers tok/s | vs transformers | decode temp MB |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for run in decode["runs"]:
         ours, theirs = run["eqx_models"], run["transformers"]
         rows.append(
-            f"| {run['batch']} | {ours['decode_ms_per_step']:.0f} | {theirs['decode_ms_per_step']:.0f} | "
+            f"| {run['batch']} | float32 | {ours['decode_ms_per_step']:.0f} | {theirs['decode_ms_per_step']:.0f} | "
             f"{ours['decode_tokens_per_s']:.1f} | {theirs['decode_tokens_per_s']:.1f} | "
             f"{run['decode_speedup_vs_transformers']:.2f}x | {ours['decode_temp_bytes'] / 1e6:.1f} |"
         )
+        if "eqx_models_bfloat16" in run:
+            b16 = run["eqx_models_bfloat16"]
+            rows.append(
+                f"| {run['batch']} | bfloat16 | {b16['decode_ms_per_step']:.0f} | {theirs['decode_ms_per_step']:.0f} (float32) | "
+                f"{b16['decode_tokens_per_s']:.1f} | {theirs['decode_tokens_per_s']:.1f} | "
+                f"{b16['decode_tokens_per_s'] / theirs['decode_tokens_per_s']:.2f}x "
+                f"({b16['decode_speedup_vs_own_float32']:.2f}x our float32) | {b16['decode_temp_bytes'] / 1e6:.1f} |"
+            )
     return "\n".join(rows)
+
+
+def bfloat16_note(decode: dict) -> str:
+    for run in decode["runs"]:
+        if "eqx_models_bfloat16" in run:
+            b16 = run["eqx_models_bfloat16"]
+            return (
+                f"bfloat16 vs float32 logits on the prompt: max |diff| {b16['max_abs_logit_diff_vs_float32']:.3f} "
+                f"(largest |logit| {b16['max_abs_logit_float32']:.2f}), same argmax at "
+                f"{100 * b16['greedy_agreement_vs_float32']:.0f}% of positions."
+            )
+    return ""
 
 
 def context_table(runs: list[tuple[str, dict]]) -> str:
     rows = [
-        "| prompt tokens | eqx_models decode ms/step | transformers ms/step | eqx_models prefill tok/s | transformers prefill tok/s |",
-        "|---|---|---|---|---|",
+        "| prompt tokens | eqx_models decode ms/step | (weights + KV) / bandwidth ms | transformers ms/step | eqx_models prefill tok/s | transformers prefill tok/s | decode temp MB | KV MB per layer |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for _, result in runs:
         run = result["runs"][0]
+        ours = run["eqx_models"]
+        bandwidth = max(result["read_bandwidth_gb_s"].values()) * 1e9
+        predicted = 1e3 * (result["weight_bytes"] + ours["cache_bytes"]) / bandwidth
+        layers = int(result["model"].split(", ")[1].split()[0])
         rows.append(
-            f"| {result['prompt_length']} | {run['eqx_models']['decode_ms_per_step']:.0f} | "
-            f"{run['transformers']['decode_ms_per_step']:.0f} | {run['eqx_models']['prefill_tokens_per_s']:.0f} | "
-            f"{run['transformers']['prefill_tokens_per_s']:.0f} |"
+            f"| {result['prompt_length']} | {ours['decode_ms_per_step']:.0f} | {predicted:.0f} | "
+            f"{run['transformers']['decode_ms_per_step']:.0f} | {ours['prefill_tokens_per_s']:.0f} | "
+            f"{run['transformers']['prefill_tokens_per_s']:.0f} | {ours['decode_temp_bytes'] / 1e6:.1f} | "
+            f"{ours['cache_bytes'] / layers / 1e6:.1f} |"
         )
     return "\n".join(rows)
 
@@ -74,6 +99,7 @@ def main():
         print(f"Floor at batch 1: {decode['floor_ms_per_step_batch1']:.0f} ms/token "
               f"({decode['weight_bytes'] / 1e9:.2f} GB of weights at {decode['read_bandwidth_gb_s']}) GB/s\n")
         print(decode_table(decode) + "\n")
+        print(bfloat16_note(decode) + "\n")
     contexts = [(n, load(n)) for n in ("decode", "prefill_512", "decode_context_1024", "decode_context_4096")]
     contexts = [(n, r) for n, r in contexts if r]
     if contexts:
