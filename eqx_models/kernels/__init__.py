@@ -17,7 +17,8 @@ The C++ source ships with the package and is compiled once per source, jaxlib an
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
 compiler, or with `EQX_MODELS_KERNELS=0`, everything falls back to plain XLA (same
 numbers to rounding, slower decode); `kernels_status()` says which path is active.
-On other backends the XLA path is always used.
+On other backends the XLA path is always used. The kernels split their work over
+one thread per core the process may use (`EQX_MODELS_KERNEL_THREADS` overrides).
 """
 
 from __future__ import annotations

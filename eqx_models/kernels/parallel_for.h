@@ -15,10 +15,14 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <mutex>
 #include <thread>
-#include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 namespace eqx_models {
 
@@ -59,8 +63,22 @@ class HelperPool {
 
  private:
   HelperPool() {
-    unsigned cores = std::thread::hardware_concurrency();
-    for (unsigned i = 1; i < (cores > 0 ? cores : 1); ++i) std::thread([this] { loop(); }).detach();
+    for (int i = 1; i < usable_cores(); ++i) std::thread([this] { loop(); }).detach();
+  }
+
+  // The cores this process may run on (its affinity mask, which containers and
+  // `taskset` narrow), or EQX_MODELS_KERNEL_THREADS if set.
+  static int usable_cores() {
+    if (const char* forced = std::getenv("EQX_MODELS_KERNEL_THREADS")) {
+      const int n = std::atoi(forced);
+      if (n > 0) return n;
+    }
+#if defined(__linux__)
+    cpu_set_t mask;
+    if (sched_getaffinity(0, sizeof(mask), &mask) == 0) return CPU_COUNT(&mask) > 0 ? CPU_COUNT(&mask) : 1;
+#endif
+    const unsigned cores = std::thread::hardware_concurrency();
+    return cores > 0 ? static_cast<int>(cores) : 1;
   }
 
   void drain() {
