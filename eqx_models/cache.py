@@ -72,8 +72,8 @@ class KVCache(eqx.Module):
     ) -> "KVCache":
         """Writes one step's keys/values after the last written slot.
 
-        One `dynamic_update_slice` per buffer: under a jit that donates the cache,
-        the update happens in place. Writing past `max_length` raises (XLA would
+        One write per buffer (`eqx_models.kernels.write_slots`): under a jit that
+        donates the cache, the update happens in place. Writing past `max_length` raises (XLA would
         otherwise clamp the index and overwrite the last slots silently).
         """
         seq = new_keys.shape[3]
@@ -83,8 +83,8 @@ class KVCache(eqx.Module):
             "KVCache overflow: the tokens of this call do not fit in the cache's "
             "max_length slots. Create a larger cache with model.init_cache(batch, max_length).",
         )
-        keys = _write(self.keys, new_keys, length)
-        values = _write(self.values, new_values, length)
+        keys = write_slots(self.keys, new_keys, length)
+        values = write_slots(self.values, new_values, length)
         valid = jax.lax.dynamic_update_slice(self.valid, attention_mask.astype(bool), (0, length))
         return KVCache(
             keys=keys,
@@ -94,10 +94,3 @@ class KVCache(eqx.Module):
             length=length + seq,
         )
 
-
-
-def _write(buffer: Array, update: Array, start: Array) -> Array:
-    if buffer.dtype in (jnp.bfloat16, jnp.float16):
-        # XLA:CPU would widen this write to float32 and rewrite the whole cache.
-        return write_slots(buffer, update, start)
-    return jax.lax.dynamic_update_slice(buffer, update.astype(buffer.dtype), (0, 0, 0, start, 0))

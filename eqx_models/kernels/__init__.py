@@ -10,7 +10,7 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `decode_attention(...)`: one new token per row attending to a layer of the
   KV cache and to its own key/value.
 - `write_slots(buffer, update, start)`: the cache write of a step, in place for
-  bfloat16 too (XLA:CPU widens a bfloat16 update to float32 and rewrites the
+  every dtype (XLA:CPU widens a bfloat16 update to float32 and rewrites the
   whole buffer).
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
@@ -39,7 +39,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc", "cache_write.cc"))
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h",))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
 WRITE_TARGET = "eqx_models_write_slots"
@@ -107,6 +107,13 @@ def kernels_available() -> bool:
     return _load() is None
 
 
+def _dispatch(kernel, reference, *args):
+    """`kernel(*args)` when lowering for the CPU with the kernels built, else `reference(*args)`."""
+    if not kernels_available():
+        return reference(*args)
+    return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+
+
 def _reference(x: Array, stack: Array, layer: Array) -> Array:
     weight = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
     return jnp.einsum("...i,oi->...o", x, weight.astype(jnp.float32))
@@ -129,9 +136,7 @@ def stacked_matvec(
     with the kernels built this is one custom call; elsewhere it is the XLA
     `dot` of the slice. Differentiable (the derivative uses the XLA form).
     """
-    if not kernels_available():
-        return _reference(x, stack, layer)
-    return jax.lax.platform_dependent(x, stack, layer, cpu=_kernel, default=_reference)
+    return _dispatch(_kernel, _reference, x, stack, layer)
 
 
 @stacked_matvec.defjvp
@@ -183,12 +188,11 @@ def decode_attention(
     `new_key`/`new_value` where `self_valid`; a row with nothing allowed averages
     every slot (its output is padding). Inference only: no derivative is defined.
     """
-    args = (query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value)
-    reference = functools.partial(_attention_reference, scale=scale)
-    if not kernels_available():
-        return reference(*args)
-    kernel = functools.partial(_attention_kernel, scale=scale)
-    return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+    return _dispatch(
+        functools.partial(_attention_kernel, scale=scale),
+        functools.partial(_attention_reference, scale=scale),
+        query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value,
+    )
 
 
 def _write_reference(buffer: Array, update: Array, start: Array) -> Array:
@@ -215,7 +219,4 @@ def write_slots(
 
     The caller checks that the slots fit; the kernel refuses to write past the end.
     """
-    update = update.astype(buffer.dtype)
-    if not kernels_available():
-        return _write_reference(buffer, update, start)
-    return jax.lax.platform_dependent(buffer, update, start, cpu=_write_kernel, default=_write_reference)
+    return _dispatch(_write_kernel, _write_reference, buffer, update.astype(buffer.dtype), start)

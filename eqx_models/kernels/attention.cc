@@ -11,9 +11,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
+#include "bfloat16.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -21,13 +21,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float to_float(float v) { return v; }
-inline float to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
+using eqx_models::to_float;
 
 // Sixteen partial sums, so the loop vectorises without reassociating float math.
 template <typename T>
@@ -74,8 +68,9 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   bool any = p.self_valid[b];
   for (int64_t s = 0; s < S && !any; ++s) any = valid[s];
 
-  // scores[g * (S + 1) + s]; slot S is this step's own key.
-  scores.assign(G * (S + 1), 0.0f);
+  // scores[g * (S + 1) + s]; slot S is this step's own key. Masked slots stay at
+  // -inf, so their weight below is exp(-inf) = 0.
+  scores.assign(G * (S + 1), -INFINITY);
   std::vector<float> row_max(G, -INFINITY);
   for (int64_t s = 0; s <= S; ++s) {
     const bool allowed = !any || (s < S ? valid[s] : p.self_valid[b]);
@@ -91,8 +86,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   for (int64_t g = 0; g < G; ++g) {
     float* sg = scores.data() + g * (S + 1);
     for (int64_t s = 0; s <= S; ++s) {
-      const bool allowed = !any || (s < S ? valid[s] : p.self_valid[b]);
-      sg[s] = allowed ? std::exp(sg[s] - row_max[g]) : 0.0f;
+      sg[s] = std::exp(sg[s] - row_max[g]);
       total[g] += sg[s];
     }
   }

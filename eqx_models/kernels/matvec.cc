@@ -10,10 +10,10 @@
 // float32. Chunks of rows of `w` are spread over XLA's intra-op thread pool.
 
 #include <cstdint>
-#include <cstring>
 #include <type_traits>
 #include <vector>
 
+#include "bfloat16.h"
 #include "parallel_for.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -25,19 +25,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-inline float bf16_to_float(uint16_t bits) {
-  uint32_t wide = static_cast<uint32_t>(bits) << 16;
-  float out;
-  std::memcpy(&out, &wide, sizeof(out));
-  return out;
-}
-
-template <typename W>
-inline float load_weight(const W* p);
-template <>
-inline float load_weight<float>(const float* p) { return *p; }
-template <>
-inline float load_weight<uint16_t>(const uint16_t* p) { return bf16_to_float(*p); }
+using eqx_models::to_float;
 
 // Portable path: eight partial sums per output so the compiler can vectorise.
 template <typename W>
@@ -50,9 +38,9 @@ void rows_portable(const float* x, const W* w, float* y, int64_t rows, int64_t n
       float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int64_t k = 0;
       for (; k + 8 <= K; k += 8)
-        for (int j = 0; j < 8; ++j) partial[j] += load_weight(row + k + j) * xb[k + j];
+        for (int j = 0; j < 8; ++j) partial[j] += to_float(row[k + j]) * xb[k + j];
       float sum = 0;
-      for (; k < K; ++k) sum += load_weight(row + k) * xb[k];
+      for (; k < K; ++k) sum += to_float(row[k]) * xb[k];
       for (int j = 0; j < 8; ++j) sum += partial[j];
       y[b * N + n] = sum;
     }
@@ -62,16 +50,10 @@ void rows_portable(const float* x, const W* w, float* y, int64_t rows, int64_t n
 #if defined(__x86_64__)
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
-AVX512 inline __m512 load16(const float* p, __mmask16 mask) { return _mm512_maskz_loadu_ps(mask, p); }
-AVX512 inline __m512 load16(const uint16_t* p, __mmask16 mask) {
-  __m256i half = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-
-// R weight rows against B activation rows at once: R*B accumulators stay in
-// registers, each weight vector is loaded once and used B times.
-template <int B, int R, typename W>
-AVX512 void tile_avx512(const float* x, const W* w, float* y, int64_t n, int64_t N, int64_t K,
+// float32 weights: R weight rows against B activation rows at once; R*B
+// accumulators stay in registers, each weight vector is loaded once, used B times.
+template <int B, int R>
+AVX512 void tile_avx512(const float* x, const float* w, float* y, int64_t n, int64_t N, int64_t K,
                         int64_t ahead) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
@@ -81,7 +63,7 @@ AVX512 void tile_avx512(const float* x, const W* w, float* y, int64_t n, int64_t
                                  : static_cast<__mmask16>((1u << (K - k)) - 1);
     __m512 wv[R];
     for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + ahead + r) * K + k), _MM_HINT_T0);
-    for (int r = 0; r < R; ++r) wv[r] = load16(w + (n + r) * K + k, mask);
+    for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (n + r) * K + k);
     for (int b = 0; b < B; ++b) {
       __m512 xv = _mm512_maskz_loadu_ps(mask, x + b * K + k);
       for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
@@ -125,7 +107,7 @@ AVX512 void tile_bf16_pairs(const float* xs, const uint16_t* w, float* y, int64_
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
       float sum = _mm512_reduce_add_ps(acc[r][b]);
-      for (int64_t k = main; k < K; ++k) sum += bf16_to_float(w[(n + r) * K + k]) * xs[b * K + k];
+      for (int64_t k = main; k < K; ++k) sum += to_float(w[(n + r) * K + k]) * xs[b * K + k];
       y[b * N + n + r] = sum;
     }
 }
@@ -139,8 +121,8 @@ AVX512 void rows_avx512_fixed(const float* x, const W* w, float* y, int64_t n0, 
     for (; n + R <= n1; n += R) tile_bf16_pairs<B, R>(x, w, y, n, N, K, ahead ? ahead : R);
     for (; n < n1; ++n) tile_bf16_pairs<B, 1>(x, w, y, n, N, K, ahead ? ahead : 1);
   } else {
-    for (; n + R <= n1; n += R) tile_avx512<B, R, W>(x, w, y, n, N, K, ahead ? ahead : R);
-    for (; n < n1; ++n) tile_avx512<B, 1, W>(x, w, y, n, N, K, ahead ? ahead : 1);
+    for (; n + R <= n1; n += R) tile_avx512<B, R>(x, w, y, n, N, K, ahead ? ahead : R);
+    for (; n < n1; ++n) tile_avx512<B, 1>(x, w, y, n, N, K, ahead ? ahead : 1);
   }
 }
 
