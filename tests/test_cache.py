@@ -173,14 +173,21 @@ def test_decode_step_reads_weights_and_cache_in_place(dtype):
     assert kernels_status() == "ready", f"the CPU decode kernels did not build: {kernels_status()}"
     model = small_model(seed=5, num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4, head_dim=64)
     model = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model)
-    state = DecodeState(model.init_cache(1, 512), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
-    compiled = _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
+
+    def compile_step(max_length):
+        state = DecodeState(model.init_cache(1, max_length), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
+        return state, _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
+
+    state, compiled = compile_step(2048)
     layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(model.model.layers)) // 6
     cache_layer_bytes = (state.cache.keys.nbytes + state.cache.values.nbytes) // 6
     # A `dot` on a scanned layer's weights or cache slice copies the slice first
-    # (temp >= one layer); the kernels read them where they are.
+    # (temp >= one layer); the kernels read them where they are. What temp is left
+    # holds one token's activations and per-slot flags, nothing the size of the cache.
     temp = compiled.memory_analysis().temp_size_in_bytes
     assert temp < layer_bytes / 8 and temp < cache_layer_bytes / 8, (temp, layer_bytes, cache_layer_bytes)
+    shorter_temp = compile_step(512)[1].memory_analysis().temp_size_in_bytes
+    assert temp - shorter_temp < cache_layer_bytes * (1 - 512 / 2048) / 100, (temp, shorter_temp)
     hlo = compiled.as_text()
     assert "eqx_models_stacked_matvec" in hlo and "eqx_models_decode_attention" in hlo
     weight_lines = [line for line in hlo.splitlines() if "1024,256" in line or "256,1024" in line]

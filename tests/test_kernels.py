@@ -15,6 +15,7 @@ from eqx_models.kernels import (
     decode_attention,
     kernels_status,
     stacked_matvec,
+    stacked_matvecs,
     write_slots,
 )
 
@@ -25,7 +26,7 @@ def test_kernels_build_here():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("out_features, in_features", [(37, 19), (64, 1024), (130, 48), (20, 70)])
 def test_stacked_matvec_equals_dot_of_the_slice(dtype, rows, out_features, in_features):
     rng = np.random.default_rng(rows * 1000 + out_features + in_features)
@@ -37,13 +38,34 @@ def test_stacked_matvec_equals_dot_of_the_slice(dtype, rows, out_features, in_fe
     np.testing.assert_allclose(got, exact, atol=1e-5 * np.sqrt(in_features), rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_stacked_matvecs_runs_several_stacks_as_one_job(dtype, rows):
+    # Sizes that split into several chunks each (256 rows of 1024 float32 per chunk)
+    # and one smaller than a tile: every output must come from its own stack.
+    rng = np.random.default_rng(rows)
+    stacks = [jnp.asarray(rng.standard_normal((3, n, 1024)), dtype) for n in (600, 5, 300)]
+    x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.float32)
+    outs = jax.jit(stacked_matvecs)(x, stacks, jnp.int32(1))
+    assert len(outs) == 3
+    for stack, got in zip(stacks, outs):
+        exact = np.asarray(x, np.float64) @ np.asarray(stack[1].astype(jnp.float32), np.float64).T
+        np.testing.assert_allclose(got, exact, atol=2e-4 * np.abs(exact).max(), rtol=0)
+
+
+def test_stacked_matvecs_refuses_mixed_dtypes():
+    stacks = [jnp.zeros((1, 4, 8), jnp.float32), jnp.zeros((1, 4, 8), jnp.bfloat16)]
+    with pytest.raises(ValueError, match="share one dtype"):
+        stacked_matvecs(jnp.zeros((1, 8)), stacks, jnp.int32(0))
+
+
 def test_stacked_matvec_keeps_leading_axes_and_differentiates():
     rng = np.random.default_rng(0)
     stack = jnp.asarray(rng.standard_normal((2, 6, 5)), jnp.float32)
     x = jnp.asarray(rng.standard_normal((2, 1, 5)), jnp.float32)
     assert stacked_matvec(x, stack, jnp.int32(1)).shape == (2, 1, 6)
     loss = lambda x, s: jnp.sum(stacked_matvec(x, s, jnp.int32(1)) ** 2)
-    reference = lambda x, s: jnp.sum(_reference(x, s, jnp.int32(1)) ** 2)
+    reference = lambda x, s: jnp.sum(_reference(x, (s,), jnp.int32(1))[0] ** 2)
     for got, want in zip(jax.grad(loss, (0, 1))(x, stack), jax.grad(reference, (0, 1))(x, stack)):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 

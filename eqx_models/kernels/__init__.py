@@ -6,7 +6,8 @@ sliced operand before its `dot` (and, written as a reduction instead, fuses
 element-wise producers into the loop and recomputes them per weight), so a decode
 step otherwise moves each layer's weights and cache slice two or three times.
 
-- `stacked_matvec(x, stack, layer)`: `x @ stack[layer].T` for a few rows of `x`.
+- `stacked_matvecs(x, stacks, layer)`: `x @ stack[layer].T` for a few rows of `x`
+  and one or more stacks (`stacked_matvec` for one).
 - `decode_attention(...)`: one new token per row attending to a layer of the
   KV cache and to its own key/value.
 - `write_slots(buffer, update, start)`: the cache write of a step, in place for
@@ -31,6 +32,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 import jax
@@ -114,19 +116,55 @@ def _dispatch(kernel, reference, *args):
     return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
 
 
-def _reference(x: Array, stack: Array, layer: Array) -> Array:
-    weight = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False)
-    return jnp.einsum("...i,oi->...o", x, weight.astype(jnp.float32))
+def _slice(stack: Array, layer: Array) -> Array:
+    return jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(jnp.float32)
 
 
-def _kernel(x: Array, stack: Array, layer: Array) -> Array:
-    call = jax.ffi.ffi_call(
-        MATVEC_TARGET, jax.ShapeDtypeStruct(x.shape[:-1] + stack.shape[1:2], jnp.float32), vmap_method="sequential"
-    )
-    return call(x, stack, layer.astype(jnp.int32).reshape(()))
+def _reference(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
+    return tuple(jnp.einsum("...i,oi->...o", x, _slice(stack, layer)) for stack in stacks)
+
+
+def _kernel(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + stack.shape[1:2], jnp.float32) for stack in stacks)
+    call = jax.ffi.ffi_call(MATVEC_TARGET, shapes, vmap_method="sequential")
+    return tuple(call(x, layer.astype(jnp.int32).reshape(()), *stacks))
 
 
 @jax.custom_jvp
+def _matvecs(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
+    return _dispatch(_kernel, _reference, x, stacks, layer)
+
+
+@_matvecs.defjvp
+def _matvecs_jvp(primals, tangents):
+    x, stacks, layer = primals
+    x_dot, stacks_dot, _ = tangents
+    outs = _matvecs(x, stacks, layer)
+    outs_dot = tuple(
+        jnp.einsum("...i,oi->...o", x_dot, _slice(stack, layer))
+        + jnp.einsum("...i,oi->...o", x, _slice(stack_dot, layer))
+        for stack, stack_dot in zip(stacks, stacks_dot)
+    )
+    return outs, outs_dot
+
+
+def stacked_matvecs(
+    x: Float[Array, "*rows in"], stacks: Sequence[Float[Array, "layers _ in"]], layer: Int[Array, ""]
+) -> tuple[Float[Array, "*rows _"], ...]:
+    """`x @ stack[layer].T` in float32 for each stack, reading the layer's slices in place.
+
+    Meant for a few rows (decode). The stacks share `x` and one dtype (float32 or
+    bfloat16); on the CPU with the kernels built they go as one custom call, so
+    projections of the same input (q/k/v, gate/up) stream their weights as one
+    job. Elsewhere each is the XLA `dot` of its slice. Differentiable (the
+    derivative uses the XLA form).
+    """
+    stacks = tuple(stacks)
+    if len({stack.dtype for stack in stacks}) != 1:
+        raise ValueError(f"stacked_matvecs: the stacks must share one dtype, got {[s.dtype for s in stacks]}.")
+    return _matvecs(x.astype(jnp.float32), stacks, layer)
+
+
 def stacked_matvec(
     x: Float[Array, "*rows in"], stack: Float[Array, "layers out in"], layer: Int[Array, ""]
 ) -> Float[Array, "*rows out"]:
@@ -136,18 +174,7 @@ def stacked_matvec(
     with the kernels built this is one custom call; elsewhere it is the XLA
     `dot` of the slice. Differentiable (the derivative uses the XLA form).
     """
-    return _dispatch(_kernel, _reference, x, stack, layer)
-
-
-@stacked_matvec.defjvp
-def _stacked_matvec_jvp(primals, tangents):
-    x, stack, layer = primals
-    x_dot, stack_dot, _ = tangents
-    weight = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(jnp.float32)
-    weight_dot = jax.lax.dynamic_index_in_dim(stack_dot, layer, keepdims=False).astype(jnp.float32)
-    out = stacked_matvec(x, stack, layer)
-    out_dot = jnp.einsum("...i,oi->...o", x_dot, weight) + jnp.einsum("...i,oi->...o", x, weight_dot)
-    return out, out_dot
+    return stacked_matvecs(x, (stack,), layer)[0]
 
 
 def _attention_reference(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, scale):

@@ -1,15 +1,19 @@
 // Matrix-vector products for decode on the CPU, as an XLA FFI custom call.
 //
-// y[b, n] = sum_k x[b, k] * w[layer, n, k]   for b < rows (a handful), n < N.
+// y_j[b, n] = sum_k x[b, k] * w_j[layer, n, k]   for b < rows (a handful), n < N_j,
+// for one or more weight stacks w_j that share the input.
 //
-// The weight operand is the whole stack `[layers, N, K]` plus the layer index, so
+// Each weight operand is a whole stack `[layers, N, K]` plus the layer index, so
 // inside `jax.lax.scan` the layer's slice is read where it lies: XLA:CPU copies a
 // dynamically sliced operand before its own `dot`, which doubles the memory traffic
 // of a decode step. Weights are float32 or bfloat16 (widened in registers, so the
 // bytes read halve and the arithmetic stays float32); activations and results are
-// float32. Chunks of rows of `w` are spread over XLA's intra-op thread pool.
+// float32. Chunks of weight rows are spread over the helper threads of
+// parallel_for.h.
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include <vector>
 
@@ -29,12 +33,12 @@ using eqx_models::to_float;
 
 // Portable path: eight partial sums per output so the compiler can vectorise.
 template <typename W>
-void rows_portable(const float* x, const W* w, float* y, int64_t rows, int64_t n0, int64_t n1,
-                   int64_t N, int64_t K) {
+void rows_portable(const float* x, int64_t ldx, const W* w, float* y, int64_t rows, int64_t n0,
+                   int64_t n1, int64_t N, int64_t K) {
   for (int64_t n = n0; n < n1; ++n) {
     const W* row = w + n * K;
     for (int64_t b = 0; b < rows; ++b) {
-      const float* xb = x + b * K;
+      const float* xb = x + b * ldx;
       float partial[8] = {0, 0, 0, 0, 0, 0, 0, 0};
       int64_t k = 0;
       for (; k + 8 <= K; k += 8)
@@ -53,8 +57,8 @@ void rows_portable(const float* x, const W* w, float* y, int64_t rows, int64_t n
 // float32 weights: R weight rows against B activation rows at once; R*B
 // accumulators stay in registers, each weight vector is loaded once, used B times.
 template <int B, int R>
-AVX512 void tile_avx512(const float* x, const float* w, float* y, int64_t n, int64_t N, int64_t K,
-                        int64_t ahead) {
+AVX512 void tile_avx512(const float* x, int64_t ldx, const float* w, float* y, int64_t n, int64_t N,
+                        int64_t K, int64_t ahead) {
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
@@ -65,7 +69,7 @@ AVX512 void tile_avx512(const float* x, const float* w, float* y, int64_t n, int
     for (int r = 0; r < R; ++r) _mm_prefetch(reinterpret_cast<const char*>(w + (n + ahead + r) * K + k), _MM_HINT_T0);
     for (int r = 0; r < R; ++r) wv[r] = _mm512_maskz_loadu_ps(mask, w + (n + r) * K + k);
     for (int b = 0; b < B; ++b) {
-      __m512 xv = _mm512_maskz_loadu_ps(mask, x + b * K + k);
+      __m512 xv = _mm512_maskz_load_ps(mask, x + b * ldx + k);
       for (int r = 0; r < R; ++r) acc[r][b] = _mm512_fmadd_ps(wv[r], xv, acc[r][b]);
     }
   }
@@ -78,8 +82,8 @@ AVX512 void tile_avx512(const float* x, const float* w, float* y, int64_t n, int
 // (`split_pairs`). One load and two integer ops per 32 weights instead of a
 // widening shuffle per 16.
 template <int B, int R>
-AVX512 void tile_bf16_pairs(const float* xs, const uint16_t* w, float* y, int64_t n, int64_t N,
-                            int64_t K, int64_t ahead) {
+AVX512 void tile_bf16_pairs(const float* xs, int64_t ldx, const uint16_t* w, float* y, int64_t n,
+                            int64_t N, int64_t K, int64_t ahead) {
   const int64_t main = K - K % 32;
   const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 acc[R][B];
@@ -96,8 +100,8 @@ AVX512 void tile_bf16_pairs(const float* xs, const uint16_t* w, float* y, int64_
       odd[r] = _mm512_castsi512_ps(_mm512_and_si512(pairs, high_half));
     }
     for (int b = 0; b < B; ++b) {
-      __m512 x_even = _mm512_loadu_ps(xs + b * K + k);
-      __m512 x_odd = _mm512_loadu_ps(xs + b * K + k + 16);
+      __m512 x_even = _mm512_load_ps(xs + b * ldx + k);
+      __m512 x_odd = _mm512_load_ps(xs + b * ldx + k + 16);
       for (int r = 0; r < R; ++r) {
         acc[r][b] = _mm512_fmadd_ps(even[r], x_even, acc[r][b]);
         acc[r][b] = _mm512_fmadd_ps(odd[r], x_odd, acc[r][b]);
@@ -107,50 +111,57 @@ AVX512 void tile_bf16_pairs(const float* xs, const uint16_t* w, float* y, int64_
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) {
       float sum = _mm512_reduce_add_ps(acc[r][b]);
-      for (int64_t k = main; k < K; ++k) sum += to_float(w[(n + r) * K + k]) * xs[b * K + k];
+      for (int64_t k = main; k < K; ++k) sum += to_float(w[(n + r) * K + k]) * xs[b * ldx + k];
       y[b * N + n + r] = sum;
     }
 }
 
 // `ahead`: how many rows further on to prefetch; 0 means the next tile.
 template <int B, int R, typename W>
-AVX512 void rows_avx512_fixed(const float* x, const W* w, float* y, int64_t n0, int64_t n1,
-                              int64_t N, int64_t K, int64_t ahead) {
+AVX512 void rows_avx512_fixed(const float* x, int64_t ldx, const W* w, float* y, int64_t n0,
+                              int64_t n1, int64_t N, int64_t K, int64_t ahead) {
   int64_t n = n0;
   if constexpr (std::is_same_v<W, uint16_t>) {
-    for (; n + R <= n1; n += R) tile_bf16_pairs<B, R>(x, w, y, n, N, K, ahead ? ahead : R);
-    for (; n < n1; ++n) tile_bf16_pairs<B, 1>(x, w, y, n, N, K, ahead ? ahead : 1);
+    for (; n + R <= n1; n += R) tile_bf16_pairs<B, R>(x, ldx, w, y, n, N, K, ahead ? ahead : R);
+    for (; n < n1; ++n) tile_bf16_pairs<B, 1>(x, ldx, w, y, n, N, K, ahead ? ahead : 1);
   } else {
-    for (; n + R <= n1; n += R) tile_avx512<B, R>(x, w, y, n, N, K, ahead ? ahead : R);
-    for (; n < n1; ++n) tile_avx512<B, 1>(x, w, y, n, N, K, ahead ? ahead : 1);
+    for (; n + R <= n1; n += R) tile_avx512<B, R>(x, ldx, w, y, n, N, K, ahead ? ahead : R);
+    for (; n < n1; ++n) tile_avx512<B, 1>(x, ldx, w, y, n, N, K, ahead ? ahead : 1);
   }
 }
 
-// Tile heights chosen so R*B accumulators + R weight vectors fit 32 registers.
+// Tile heights chosen so R*B accumulators + R weight vectors fit 32 registers
+// (at 8x3 the compiler spills and loses a third).
 template <typename W>
-AVX512 void rows_avx512_group(const float* x, const W* w, float* y, int64_t rows, int64_t n0,
-                              int64_t n1, int64_t N, int64_t K, int64_t ahead) {
+AVX512 void rows_avx512_group(const float* x, int64_t ldx, const W* w, float* y, int64_t rows,
+                              int64_t n0, int64_t n1, int64_t N, int64_t K, int64_t ahead) {
   switch (rows) {
-    case 1: rows_avx512_fixed<1, 8, W>(x, w, y, n0, n1, N, K, ahead); break;
-    case 2: rows_avx512_fixed<2, 6, W>(x, w, y, n0, n1, N, K, ahead); break;
-    case 3: rows_avx512_fixed<3, 5, W>(x, w, y, n0, n1, N, K, ahead); break;
-    default: rows_avx512_fixed<4, 4, W>(x, w, y, n0, n1, N, K, ahead); break;
+    case 1: rows_avx512_fixed<1, 8, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    case 2: rows_avx512_fixed<2, 6, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    case 3: rows_avx512_fixed<3, 5, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    case 4: rows_avx512_fixed<4, 4, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    case 5: rows_avx512_fixed<5, 2, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    case 6: rows_avx512_fixed<6, 2, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    case 7: rows_avx512_fixed<7, 2, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
+    default: rows_avx512_fixed<8, 2, W>(x, ldx, w, y, n0, n1, N, K, ahead); break;
   }
 }
 
-// Activations in groups of at most four rows: four rows of a large K already fill
-// most of L1, more would evict each other. With more than one group, rows are
-// taken in blocks that stay in L2 between groups, and the next block is
-// prefetched meanwhile, so memory still delivers each weight once and early.
+// Up to eight activation rows in one pass over the weights (aligned, they stay in
+// L1/L2 next to the streamed weights: measured 8 rows at 17-19 GB/s vs 12-14 in
+// two passes of four). More rows go in groups of eight over blocks of weight rows
+// small enough to stay in L2 between groups, the next block prefetched meanwhile.
+constexpr int64_t kMaxGroup = 8;
+
 template <typename W>
-AVX512 void rows_avx512(const float* x, const W* w, float* y, int64_t rows, int64_t n0,
+AVX512 void rows_avx512(const float* x, int64_t ldx, const W* w, float* y, int64_t rows, int64_t n0,
                         int64_t n1, int64_t N, int64_t K) {
-  if (rows <= 4) return rows_avx512_group<W>(x, w, y, rows, n0, n1, N, K, 0);
+  if (rows <= kMaxGroup) return rows_avx512_group<W>(x, ldx, w, y, rows, n0, n1, N, K, 0);
   const int64_t block = 16;
   for (int64_t nb = n0; nb < n1; nb += block) {
     int64_t ne = nb + block < n1 ? nb + block : n1;
-    for (int64_t b0 = 0; b0 < rows; b0 += 4)
-      rows_avx512_group<W>(x + b0 * K, w, y + b0 * N, rows - b0 < 4 ? rows - b0 : 4, nb, ne, N, K, block);
+    for (int64_t b0 = 0; b0 < rows; b0 += kMaxGroup)
+      rows_avx512_group<W>(x + b0 * ldx, ldx, w, y + b0 * N, rows - b0 < kMaxGroup ? rows - b0 : kMaxGroup, nb, ne, N, K, block);
   }
 }
 
@@ -161,27 +172,46 @@ const bool kHasAvx512 = false;
 #endif
 
 template <typename W>
-void rows_any(const float* x, const W* w, float* y, int64_t rows, int64_t n0, int64_t n1,
-              int64_t N, int64_t K) {
+void rows_any(const float* x, int64_t ldx, const W* w, float* y, int64_t rows, int64_t n0,
+              int64_t n1, int64_t N, int64_t K) {
 #if defined(__x86_64__)
-  if (kHasAvx512) return rows_avx512<W>(x, w, y, rows, n0, n1, N, K);
+  if (kHasAvx512) return rows_avx512<W>(x, ldx, w, y, rows, n0, n1, N, K);
 #endif
-  rows_portable<W>(x, w, y, rows, n0, n1, N, K);
+  rows_portable<W>(x, ldx, w, y, rows, n0, n1, N, K);
 }
 
-// Reorders each block of 32 activations as its 16 even then its 16 odd elements,
-// the order `tile_bf16_pairs` consumes them in; a tail shorter than 32 stays as is.
-std::vector<float> split_pairs(const float* x, int64_t rows, int64_t K) {
-  std::vector<float> out(x, x + rows * K);
-  const int64_t main = K - K % 32;
-  for (int64_t b = 0; b < rows; ++b)
-    for (int64_t k = 0; k < main; k += 32)
-      for (int64_t i = 0; i < 16; ++i) {
-        out[b * K + k + i] = x[b * K + k + 2 * i];
-        out[b * K + k + 16 + i] = x[b * K + k + 2 * i + 1];
-      }
-  return out;
-}
+// The activations as the tiles read them: rows 64-byte aligned (an unaligned
+// 64-byte load spans two cache lines; measured at half the speed for 8 rows)
+// with a stride that is not a multiple of 4 KiB (rows would share L1 sets), and
+// for bfloat16 weights each block of 32 reordered as its 16 even then its 16 odd
+// elements, the order `tile_bf16_pairs` consumes them in (a tail stays as is).
+class Activations {
+ public:
+  Activations(const float* x, int64_t rows, int64_t K, bool split_pairs)
+      : stride_((K + 15) / 16 * 16 + ((K + 15) / 16 * 16 % 1024 == 0 ? 16 : 0)),
+        data_(static_cast<float*>(std::aligned_alloc(64, (rows * stride_ * 4 + 63) / 64 * 64 + 64))) {
+    const int64_t main = split_pairs ? K - K % 32 : 0;
+    for (int64_t b = 0; b < rows; ++b) {
+      const float* from = x + b * K;
+      float* to = data_ + b * stride_;
+      for (int64_t k = 0; k < main; k += 32)
+        for (int64_t i = 0; i < 16; ++i) {
+          to[k + i] = from[k + 2 * i];
+          to[k + 16 + i] = from[k + 2 * i + 1];
+        }
+      std::copy(from + main, from + K, to + main);
+    }
+  }
+  ~Activations() { std::free(data_); }
+  Activations(const Activations&) = delete;
+  Activations& operator=(const Activations&) = delete;
+  const float* data() const { return data_; }
+  int64_t stride() const { return stride_; }
+
+ private:
+  int64_t stride_;
+  float* data_;
+};
 
 // ~1 MiB of weights per chunk: long sequential runs per thread keep the hardware
 // prefetchers going (measured on two cores: 64 KiB chunks 20-21 GB/s, 256 KiB
@@ -191,39 +221,60 @@ int64_t chunk_rows(int64_t K, int64_t bytes_per_weight) {
   return rows < 8 ? 8 : rows;
 }
 
-ffi::Error StackedMatvec(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
-                         ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
-  auto w_dims = w.dimensions();
+// One weight stack of a call and where its chunks start in the shared task list.
+struct Projection {
+  const char* weights;  // this layer's [N, K] slice
+  float* out;
+  int64_t N, first_chunk, chunk;
+};
+
+// y_j = x @ w_j[layer].T for every stack w_j: projections of the same input (q/k/v,
+// gate/up) go as one job, so the helpers stream the weights back to back with one
+// hand-off, and only the job's last chunk leaves a core idle.
+ffi::Error StackedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
+                         ffi::RemainingArgs stacks, ffi::RemainingRets outs) {
   auto x_dims = x.dimensions();
-  if (w_dims.size() != 3 || x_dims.size() < 1)
-    return ffi::Error::InvalidArgument("stacked_matvec: want x [..., K] and w [layers, N, K]");
-  const bool bf16 = w.element_type() == ffi::DataType::BF16;
-  if (!bf16 && w.element_type() != ffi::DataType::F32)
-    return ffi::Error::InvalidArgument("stacked_matvec: weights must be float32 or bfloat16");
-  const int64_t layers = w_dims[0], N = w_dims[1], K = w_dims[2];
-  if (x_dims.back() != K)
-    return ffi::Error::InvalidArgument("stacked_matvec: x and w disagree on the inner size");
+  if (x_dims.size() < 1 || stacks.size() == 0 || stacks.size() != outs.size())
+    return ffi::Error::InvalidArgument("stacked_matvec: want x [..., K], the layer, and one output per stack");
+  const int64_t K = x_dims.back();
   const int64_t rows = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
   const int64_t index = layer.typed_data()[0];
-  if (index < 0 || index >= layers)
-    return ffi::Error::InvalidArgument("stacked_matvec: layer index out of range");
-
-  const int64_t bytes = bf16 ? 2 : 4;
-  const float* xs = x.typed_data();
-  std::vector<float> x_pairs;
-  if (bf16 && kHasAvx512) {
-    x_pairs = split_pairs(xs, rows, K);
-    xs = x_pairs.data();
+  std::vector<Projection> projections;
+  bool bf16 = false;
+  int64_t chunks = 0;
+  for (size_t j = 0; j < stacks.size(); ++j) {
+    auto w = stacks.get<ffi::AnyBuffer>(j);
+    auto y = outs.get<ffi::Buffer<ffi::F32>>(j);
+    if (!w.has_value() || !y.has_value())
+      return ffi::Error::InvalidArgument("stacked_matvec: stacks and outputs must be arrays, outputs float32");
+    auto w_dims = w->dimensions();
+    if (w_dims.size() != 3 || w_dims[2] != K)
+      return ffi::Error::InvalidArgument("stacked_matvec: every stack must be [layers, N, K] with x's K");
+    const bool this_bf16 = w->element_type() == ffi::DataType::BF16;
+    if (!this_bf16 && w->element_type() != ffi::DataType::F32)
+      return ffi::Error::InvalidArgument("stacked_matvec: weights must be float32 or bfloat16");
+    if (j > 0 && this_bf16 != bf16)
+      return ffi::Error::InvalidArgument("stacked_matvec: the stacks of one call must share a dtype");
+    bf16 = this_bf16;
+    if (index < 0 || index >= w_dims[0])
+      return ffi::Error::InvalidArgument("stacked_matvec: layer index out of range");
+    const int64_t N = w_dims[1], bytes = bf16 ? 2 : 4;
+    const int64_t chunk = chunk_rows(K > 0 ? K : 1, bytes);
+    projections.push_back({static_cast<const char*>(w->untyped_data()) + index * N * K * bytes,
+                           (*y)->typed_data(), N, chunks, chunk});
+    chunks += (N + chunk - 1) / chunk;
   }
-  const char* weights = static_cast<const char*>(w.untyped_data()) + index * N * K * bytes;
-  float* out = y->typed_data();
-  const int64_t chunk = chunk_rows(K > 0 ? K : 1, bytes);
-  eqx_models::parallel_for((N + chunk - 1) / chunk, [&](int64_t c) {
-    const int64_t n0 = c * chunk, n1 = n0 + chunk < N ? n0 + chunk : N;
+
+  const Activations xs(x.typed_data(), rows, K, bf16 && kHasAvx512);
+  eqx_models::parallel_for(chunks, [&](int64_t c) {
+    size_t j = projections.size() - 1;
+    while (projections[j].first_chunk > c) --j;
+    const Projection& p = projections[j];
+    const int64_t n0 = (c - p.first_chunk) * p.chunk, n1 = n0 + p.chunk < p.N ? n0 + p.chunk : p.N;
     if (bf16)
-      rows_any(xs, reinterpret_cast<const uint16_t*>(weights), out, rows, n0, n1, N, K);
+      rows_any(xs.data(), xs.stride(), reinterpret_cast<const uint16_t*>(p.weights), p.out, rows, n0, n1, p.N, K);
     else
-      rows_any(xs, reinterpret_cast<const float*>(weights), out, rows, n0, n1, N, K);
+      rows_any(xs.data(), xs.stride(), reinterpret_cast<const float*>(p.weights), p.out, rows, n0, n1, p.N, K);
   });
   return ffi::Error::Success();
 }
@@ -233,6 +284,6 @@ ffi::Error StackedMatvec(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxStackedMatvec, StackedMatvec,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .RemainingArgs()
+                                  .RemainingRets());

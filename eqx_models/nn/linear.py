@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from ..kernels import kernels_available, stacked_matvec
+from ..kernels import kernels_available, stacked_matvecs
 
 INIT_STD = 0.02  # transformers' default `initializer_range`
 # Up to this many rows (batch x seq) a product with a weight goes through the
@@ -43,32 +43,43 @@ def use_matvec_kernel(x: Array, weight: Array | LayerSlice) -> bool:
     )
 
 
+def _as_stack(weight: Array | LayerSlice) -> tuple[Array, Array]:
+    if isinstance(weight, LayerSlice):
+        return weight.stack, weight.index
+    return weight[None], jnp.int32(0)
+
+
 def project(x: Float[Array, "*batch in"], weight: Float[Array, "out in"] | LayerSlice) -> Float[Array, "*batch out"]:
     """`x @ weight.T`, with the decode kernel for a few rows and XLA's matmul otherwise."""
     if use_matvec_kernel(x, weight):
-        stack, index = (weight.stack, weight.index) if isinstance(weight, LayerSlice) else (weight[None], jnp.int32(0))
-        return stacked_matvec(x.astype(jnp.float32), stack, index).astype(x.dtype)
+        stack, index = _as_stack(weight)
+        return stacked_matvecs(x, (stack,), index)[0].astype(x.dtype)
     if isinstance(weight, LayerSlice):
         weight = weight.materialize()
     return jnp.einsum("...i,oi->...o", x, weight)
 
 
 def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> list[Float[Array, "*batch _"]]:
-    """`[layer(x) for layer in layers]`, as one matmul over the concatenated weights
-    when that is the faster form.
+    """`[layer(x) for layer in layers]`, as one operation over all their weights.
 
-    For many rows (prefill) one large matmul beats several smaller ones that XLA
+    For a few rows (decode) the projections go through the matrix-vector kernel
+    as one call that streams every weight in place. For many rows (prefill) one
+    matmul over the concatenated weights beats several smaller ones that XLA
     would run side by side on the same cores, and the weights of a scanned layer
-    are copied out of the stack either way. For a few rows each projection goes
-    through the decode kernel, which reads the weights in place.
+    are copied out of the stack either way.
     """
-    if use_matvec_kernel(x, layers[0].weight):
-        return [layer(x) for layer in layers]
-    weights = [l.weight.materialize() if isinstance(l.weight, LayerSlice) else l.weight for l in layers]
-    joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))
-    splits = list(itertools.accumulate(w.shape[0] for w in weights))[:-1]
-    outs = jnp.split(joined, splits, axis=-1)
-    return [y if l.bias is None else y + l.bias for y, l in zip(outs, layers)]
+    weights = [l.weight for l in layers]
+    if all(use_matvec_kernel(x, w) for w in weights):
+        stacks, indices = zip(*map(_as_stack, weights))
+        if len({s.dtype for s in stacks}) == 1 and all(i is indices[0] for i in indices):
+            outs = stacked_matvecs(x, stacks, indices[0])
+        else:
+            outs = [project(x, w) for w in weights]
+    else:
+        weights = [w.materialize() if isinstance(w, LayerSlice) else w for w in weights]
+        joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))
+        outs = jnp.split(joined, list(itertools.accumulate(w.shape[0] for w in weights))[:-1], axis=-1)
+    return [y.astype(x.dtype) if l.bias is None else (y + l.bias).astype(x.dtype) for y, l in zip(outs, layers)]
 
 
 class Linear(eqx.Module):
