@@ -1,5 +1,6 @@
 """`from_pretrained` / `save_pretrained`: Hugging Face checkpoints <-> stacked models."""
 
+import concurrent.futures
 import json
 import math
 import os
@@ -28,6 +29,9 @@ TOKENIZER_FILES = [
     "chat_template.json",
 ]
 STACKED_PREFIX = "model.layers."
+# Inside a layer, leaves under this component carry an experts axis after the layers
+# axis: HF names them one tensor per expert, `...experts.{e}...`.
+EXPERTS_COMPONENT = "experts."
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
@@ -151,10 +155,10 @@ class _SafetensorsFile:
         dtype, shape, begin = self.entries[name]
         buffer = out if out.dtype == dtype else np.empty(shape, dtype)
         view = memoryview(buffer.reshape(-1).view(np.uint8))
-        self.handle.seek(self.data_start + begin)
         filled = 0
-        while filled < len(view):  # one read() returns at most ~2 GiB on Linux
-            count = self.handle.readinto(view[filled:])
+        while filled < len(view):  # one read returns at most ~2 GiB on Linux
+            # Positional reads: tensors of one file are read from several threads.
+            count = os.preadv(self.handle.fileno(), [view[filled:]], self.data_start + begin + filled)
             if not count:
                 raise CheckpointError(f"{self.path} ended early while reading {name}; it may be truncated.")
             filled += count
@@ -207,12 +211,32 @@ def _leaf_names(path) -> str:
     return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
 
 
-def _hf_names(name: str, num_layers: int) -> list[str]:
-    """HF tensor names of one of our leaves: one, or one per layer if stacked."""
-    if name.startswith(STACKED_PREFIX):
-        rest = name[len(STACKED_PREFIX):]
-        return [f"{STACKED_PREFIX}{i}.{rest}" for i in range(num_layers)]
-    return [name]
+def _hf_names(
+    name: str, leaf_shape: tuple[int, ...], rename, substacks: dict[str, tuple[int, ...]]
+) -> tuple[list[str], tuple[int, ...]]:
+    """HF tensor names of one of our leaves, and the leading axes they stack along.
+
+    A leaf of the layer stack holds one tensor per layer (`model.layers.{i}....`),
+    an experts leaf one per layer and expert (`....experts.{e}....`); the names
+    come in C order of those axes. A leaf under a `substacks` path (`mlp.dense.`)
+    holds only the layers listed for it, and that path's last component is not part
+    of the HF name. `rename` maps our names to the architecture's.
+    """
+    if not name.startswith(STACKED_PREFIX):
+        return [rename(name)], ()
+    rest = name[len(STACKED_PREFIX):]
+    layers = range(leaf_shape[0])
+    for path, numbers in substacks.items():
+        if rest.startswith(path):
+            layers = numbers
+            rest = path.rstrip(".").rsplit(".", 1)[0] + "." + rest[len(path):]
+    if f".{EXPERTS_COMPONENT}" not in f".{rest}":
+        return [rename(f"{STACKED_PREFIX}{i}.{rest}") for i in layers], leaf_shape[:1]
+    before, after = rest.split(EXPERTS_COMPONENT, 1)
+    names = [
+        rename(f"{STACKED_PREFIX}{i}.{before}{EXPERTS_COMPONENT}{e}.{after}") for i in layers for e in range(leaf_shape[1])
+    ]
+    return names, leaf_shape[:2]
 
 
 def from_pretrained(
@@ -241,7 +265,8 @@ def from_pretrained(
     if not config_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
     hf_config = load_json(config_path)
-    config = architecture_for(hf_config).config_from_hf(hf_config)
+    arch = architecture_for(hf_config)
+    config = arch.config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     source = _TensorSource(_checkpoint_files(folder))
     target_dtype = None if dtype is None else jnp.dtype(dtype)
@@ -251,9 +276,8 @@ def from_pretrained(
     problems = []
     consumed = set()
     for path, leaf in leaves:
-        names = _hf_names(_leaf_names(path), config.num_hidden_layers)
-        stacked = _leaf_names(path).startswith(STACKED_PREFIX)
-        expected = leaf.shape[1:] if stacked else leaf.shape
+        names, stacked = _hf_names(_leaf_names(path), leaf.shape, arch.tensor_name, skeleton.model.substack_layers())
+        expected = leaf.shape[len(stacked):]
         for name in names:
             if name not in source.location:
                 problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
@@ -275,31 +299,33 @@ def from_pretrained(
             f"(model_type {config.model_type!r}):\n  {listing}"
         )
 
-    arrays = [_load_leaf(source, names, stacked, target_dtype) for names, stacked in plan]
+    # Reading is copying from the page cache (or disk) in the kernel, outside the
+    # GIL: one thread per core overlaps the copies and the page faults of new buffers.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
+        arrays = list(pool.map(lambda entry: _load_leaf(source, *entry, target_dtype), plan))
     return jax.tree_util.tree_unflatten(treedef, arrays)
 
 
-def _load_leaf(source: _TensorSource, names: list[str], stacked: bool, target_dtype) -> jax.Array:
-    """Reads one leaf (stacking its per-layer tensors) into a single final buffer."""
+def _load_leaf(source: _TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype) -> jax.Array:
+    """Reads one leaf (its per-layer / per-expert tensors stacked) into one final buffer."""
     dtype = source.dtype(names[0])
     if target_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
         dtype = np.dtype(target_dtype)
     shape = source.shape(names[0])
-    out = _aligned_empty((len(names), *shape) if stacked else shape, dtype)
+    out = _aligned_empty((*stacked, *shape), dtype)
+    parts = out.reshape(-1, *shape)  # a view: C order, as the names come
     for i, name in enumerate(names):
-        source.read_into(name, out[i] if stacked else out)
+        source.read_into(name, parts[i])
     return _to_jax(out)
 
 
-def _hf_tensors(model: CausalLM) -> list[tuple[str, jax.Array, int | None]]:
-    """`(hf_name, leaf, layer index or None)` for every weight, layers unstacked."""
+def _hf_tensors(model: CausalLM, rename) -> list[tuple[str, jax.Array, tuple[int, ...]]]:
+    """`(hf_name, leaf, index into the leaf)` for every weight, layers and experts unstacked."""
     out = []
+    substacks = model.model.substack_layers()
     for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]:
-        name = _leaf_names(path)
-        if name.startswith(STACKED_PREFIX):
-            out += [(hf, leaf, i) for i, hf in enumerate(_hf_names(name, leaf.shape[0]))]
-        else:
-            out.append((name, leaf, None))
+        names, stacked = _hf_names(_leaf_names(path), leaf.shape, rename, substacks)
+        out += [(hf, leaf, tuple(map(int, np.unravel_index(i, stacked)))) for i, hf in enumerate(names)]
     return out
 
 
@@ -320,11 +346,11 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     hf_config["torch_dtype"] = jnp.dtype(model.dtype).name
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
-    shards: list[list[tuple[str, jax.Array, int | None]]] = [[]]
+    shards: list[list[tuple[str, jax.Array, tuple[int, ...]]]] = [[]]
     shard_bytes = 0
-    for entry in _hf_tensors(model):
-        leaf, layer = entry[1], entry[2]
-        nbytes = leaf.nbytes // (leaf.shape[0] if layer is not None else 1)
+    for entry in _hf_tensors(model, arch.tensor_name):
+        leaf, index = entry[1], entry[2]
+        nbytes = leaf.nbytes // math.prod(leaf.shape[: len(index)])
         if shards[-1] and shard_bytes + nbytes > max_shard_size:
             shards.append([])
             shard_bytes = 0
@@ -340,7 +366,7 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     weight_map = {}
     total = 0
     for file_name, shard in zip(file_names, shards):
-        tensors = {name: np.asarray(leaf if layer is None else leaf[layer]) for name, leaf, layer in shard}
+        tensors = {name: np.asarray(leaf[index]) for name, leaf, index in shard}
         save_file(tensors, directory / file_name, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file_name))
         total += sum(a.nbytes for a in tensors.values())
