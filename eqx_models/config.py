@@ -112,10 +112,19 @@ class DecoderConfig:
     # Frozen form of HF's `rope_scaling` dict: sorted (key, value) pairs, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
+    attention_bias: bool = False  # q/k/v projections
+    o_proj_bias: bool = False  # the attention output projection (Llama: same as attention_bias, Qwen2: none)
     mlp_bias: bool = False
     use_qk_norm: bool = False
     hidden_act: str = "silu"
+    # Mixture of experts (0 experts: every layer is a dense MLP).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    # Layers kept dense in an MoE model: those listed, and all but every `decoder_sparse_step`-th.
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
     bos_token_id: int | None = None
     eos_token_id: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -132,12 +141,28 @@ class DecoderConfig:
                 f"hidden_act={self.hidden_act!r} is not supported; expected one of "
                 f"{SUPPORTED_ACTIVATIONS}."
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
+                f"num_experts={self.num_experts}."
+            )
         rope_type = self.rope_type
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(
                 f"rope type {rope_type!r} is not supported; expected one of "
                 f"{SUPPORTED_ROPE_TYPES}."
             )
+
+    @property
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts (none without experts)."""
+        if not self.num_experts:
+            return ()
+        return tuple(
+            i
+            for i in range(self.num_hidden_layers)
+            if i not in self.mlp_only_layers and (i + 1) % self.decoder_sparse_step == 0
+        )
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -200,6 +225,21 @@ def check_keys(hf: Mapping[str, Any], model_type: str, used: set[str], ignored: 
         )
 
 
+def require_full_attention(hf: Mapping[str, Any], family: str) -> None:
+    """Raises unless every layer of a Qwen-family config attends to the whole context.
+
+    Their configs carry sliding-window fields that every released checkpoint
+    leaves off (`use_sliding_window: false`); this library does not implement them
+    for these families yet.
+    """
+    windowed = hf.get("use_sliding_window") or any(t != "full_attention" for t in hf.get("layer_types") or ())
+    if windowed:
+        raise ConfigError(
+            f"{family} with sliding-window layers (use_sliding_window=true or layer_types other than "
+            f"'full_attention') is not supported yet; every released {family} checkpoint has them off."
+        )
+
+
 def decoder_config_from_hf(
     hf: Mapping[str, Any],
     *,
@@ -244,6 +284,7 @@ def decoder_config_from_hf(
         rope_scaling=scaling,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
+        o_proj_bias=bool(hf.get("attention_bias", False)),
         mlp_bias=bool(hf.get("mlp_bias", False)),
         use_qk_norm=use_qk_norm,
         hidden_act=hf.get("hidden_act", "silu"),

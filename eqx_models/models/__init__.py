@@ -17,18 +17,22 @@ class Architecture:
         config_from_hf: HF config dict -> `DecoderConfig` (raises `ConfigError` on
             anything that would change the math and is not implemented).
         config_to_hf: `DecoderConfig` -> HF config dict, for `save_pretrained`.
+        tensor_name: our tensor name (with layer and expert indices filled in) ->
+            the checkpoint's, where the architecture names a block differently.
     """
 
     model_type: str
     hf_class: str
     config_from_hf: Callable[[Mapping[str, Any]], DecoderConfig]
     config_to_hf: Callable[[DecoderConfig], dict[str, Any]]
+    tensor_name: Callable[[str], str] = lambda name: name
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import llama, qwen3
+    from . import llama, mixtral, qwen2, qwen3, qwen3_moe
 
-    return {arch.model_type: arch for arch in (llama.ARCHITECTURE, qwen3.ARCHITECTURE)}
+    architectures = (llama, mixtral, qwen2, qwen3, qwen3_moe)
+    return {module.ARCHITECTURE.model_type: module.ARCHITECTURE for module in architectures}
 
 
 def architecture_for(hf_config: Mapping[str, Any]) -> Architecture:

@@ -3,16 +3,12 @@
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, require_full_attention
 from . import Architecture
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
-    if hf.get("use_sliding_window"):
-        raise ConfigError(
-            "Qwen3 with use_sliding_window=true is not supported yet; every released "
-            "Qwen3 checkpoint sets it to false."
-        )
+    require_full_attention(hf, "Qwen3")
     return decoder_config_from_hf(hf, use_qk_norm=True)
 
 

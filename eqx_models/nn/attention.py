@@ -98,6 +98,7 @@ class Attention(eqx.Module):
         head_dim: int,
         *,
         use_bias: bool = False,
+        output_bias: bool | None = None,
         qk_norm_eps: float | None = None,
         key: PRNGKeyArray,
     ):
@@ -105,7 +106,8 @@ class Attention(eqx.Module):
         self.q_proj = Linear(hidden_size, num_heads * head_dim, use_bias=use_bias, key=kq)
         self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, use_bias=use_bias, key=kk)
         self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, use_bias=use_bias, key=kv)
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, use_bias=use_bias, key=ko)
+        output_bias = use_bias if output_bias is None else output_bias
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, use_bias=output_bias, key=ko)
         use_norm = qk_norm_eps is not None
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if use_norm else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if use_norm else None
