@@ -12,10 +12,24 @@ import eqx_models
 from conftest import STORIES, require_fixture, torch_logits
 
 
-def test_save_pretrained_loads_in_transformers_with_identical_logits(checkpoint_factory, tmp_path):
+SAVE_CASES = {
+    "qwen3": ("qwen3", dict(head_dim=16)),
+    "qwen2": ("qwen2", {}),
+    "qwen3_moe": ("qwen3_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "qwen3_moe_mixed": (
+        "qwen3_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0, 2]),
+    ),
+    "mixtral": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2)),
+}
+
+
+@pytest.mark.parametrize("case", SAVE_CASES)
+def test_save_pretrained_loads_in_transformers_with_identical_logits(case, checkpoint_factory, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder, reference = checkpoint_factory("qwen3", head_dim=16)
+    model_type, overrides = SAVE_CASES[case]
+    folder, reference = checkpoint_factory(model_type, **overrides)
     model = eqx_models.from_pretrained(folder)
     ids = np.random.default_rng(0).integers(0, 97, (2, 12))
     out = tmp_path / "saved"

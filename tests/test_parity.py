@@ -25,6 +25,26 @@ CASES = {
     "qwen3-mha-tied": ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3-gqa-head-dim": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),
     "qwen3-mqa": ("qwen3", dict(num_key_value_heads=1, head_dim=12)),
+    "qwen2-gqa": ("qwen2", dict(num_key_value_heads=2)),
+    "qwen2-mha-tied": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    "qwen3-moe-norm-topk": (
+        "qwen3_moe",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True),
+    ),
+    "qwen3-moe-raw-topk": (
+        "qwen3_moe",
+        dict(num_experts=6, num_experts_per_tok=3, moe_intermediate_size=16, norm_topk_prob=False, head_dim=12),
+    ),
+    # Dense and sparse layers in one scan: layer 1 listed dense, or only every second layer sparse.
+    "qwen3-moe-mlp-only-layers": (
+        "qwen3_moe",
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[1]),
+    ),
+    "qwen3-moe-sparse-step": (
+        "qwen3_moe",
+        dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, decoder_sparse_step=2),
+    ),
+    "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
 }
 
 # Longer than the llama3 case's original_max_position_embeddings (32), so the

@@ -8,8 +8,9 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..cache import KVCache
 from ..config import DecoderConfig
 from .attention import Attention
-from .linear import Embedding, LayerSlice, Linear
+from .linear import Embedding, LayerSlice, layer_view
 from .mlp import GatedMLP
+from .moe import MixedMLP, SparseMoeBlock, dense_mlp, sparse_mlp
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
@@ -18,11 +19,12 @@ class DecoderLayer(eqx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
 
     self_attn: Attention
-    mlp: GatedMLP
+    mlp: GatedMLP | SparseMoeBlock | MixedMLP
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
 
-    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
+        """`mlp=False` leaves `mlp` as None, for a stack that sets a `MixedMLP` after."""
         k_attn, k_mlp = jax.random.split(key)
         self.self_attn = Attention(
             config.hidden_size,
@@ -30,16 +32,12 @@ class DecoderLayer(eqx.Module):
             config.num_key_value_heads,
             config.head_dim,
             use_bias=config.attention_bias,
+            output_bias=config.o_proj_bias,
             qk_norm_eps=config.rms_norm_eps if config.use_qk_norm else None,
             key=k_attn,
         )
-        self.mlp = GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            hidden_act=config.hidden_act,
-            use_bias=config.mlp_bias,
-            key=k_mlp,
-        )
+        every_layer_sparse = len(config.sparse_layers) == config.num_hidden_layers
+        self.mlp = (sparse_mlp(config, k_mlp) if every_layer_sparse else dense_mlp(config, k_mlp)) if mlp else None
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -82,14 +80,28 @@ class Decoder(eqx.Module):
         k_embed, k_layers = jax.random.split(key)
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=k_embed)
         layer_keys = jax.random.split(k_layers, config.num_hidden_layers)
-        self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(layer_keys)
+        sparse_layers = config.sparse_layers
+        if 0 < len(sparse_layers) < config.num_hidden_layers:
+            # Some layers dense, some sparse: each kind stacked over its own layers.
+            layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k, mlp=False))(layer_keys)
+            mixed = MixedMLP(config, sparse_layers, key=jax.random.fold_in(k_layers, 1))
+            self.layers = eqx.tree_at(lambda l: l.mlp, layers, mixed, is_leaf=lambda x: x is None)
+        else:
+            self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(layer_keys)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.scan_layers = scan_layers
 
     @property
     def num_layers(self) -> int:
-        return jax.tree.leaves(self.layers)[0].shape[0]
+        return self.layers.input_layernorm.weight.shape[0]
+
+    def substack_layers(self) -> dict[str, tuple[int, ...]]:
+        """Leaves of `layers` stacked over a subset of the layers: their path under
+        `layers` -> the layer numbers they hold, in order (for the checkpoint names)."""
+        if isinstance(self.layers.mlp, MixedMLP):
+            return self.layers.mlp.substack_layers("mlp.")
+        return {}
 
     def __call__(
         self,
@@ -123,7 +135,7 @@ class Decoder(eqx.Module):
         def run_layer(h, index):
             # Weights and cache enter the loop whole; each layer refers to its slice
             # by index (see `LayerSlice`) rather than receiving a copy.
-            layer = _layer_view(self.layers, index)
+            layer = layer_view(self.layers, index)
             layer_kv = None if cached_kv is None else tuple(LayerSlice(a, index) for a in cached_kv)
             return layer(h, cos, sin, new_allowed, layer_kv, cached_allowed)
 
@@ -143,17 +155,3 @@ class Decoder(eqx.Module):
         if cache is not None:
             cache = cache.append(new_keys, new_values, attention_mask)
         return self.norm(x), cache
-
-
-def _layer_view(stacked: DecoderLayer, index: Int[Array, ""]) -> DecoderLayer:
-    """Layer `index` of the stack: small leaves sliced out, `Linear` weights left in
-    place as `LayerSlice`s (so decode reads them where they lie, see `nn.linear`)."""
-
-    def select(node):
-        if isinstance(node, Linear):
-            return node.layer(index)
-        if eqx.is_array(node):
-            return jax.lax.dynamic_index_in_dim(node, index, keepdims=False)
-        return node
-
-    return jax.tree.map(select, stacked, is_leaf=lambda node: isinstance(node, Linear))

@@ -60,7 +60,16 @@ def project(x: Float[Array, "*batch in"], weight: Float[Array, "out in"] | Layer
 
 
 def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> list[Float[Array, "*batch _"]]:
-    """`[layer(x) for layer in layers]`, as one operation over all their weights.
+    """`[layer(x) for layer in layers]`, as one operation over all their weights
+    (see `project_many`)."""
+    outs = project_many(x, [l.weight for l in layers])
+    return [y if l.bias is None else (y + l.bias).astype(x.dtype) for y, l in zip(outs, layers)]
+
+
+def project_many(
+    x: Float[Array, "*batch in"], weights: list[Float[Array, "_ in"] | LayerSlice]
+) -> list[Float[Array, "*batch _"]]:
+    """`[x @ w.T for w in weights]`, as one operation over all the weights.
 
     For a few rows (decode) the projections go through the matrix-vector kernel
     as one call that streams every weight in place. For many rows (prefill) one
@@ -68,7 +77,6 @@ def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> li
     would run side by side on the same cores, and the weights of a scanned layer
     are copied out of the stack either way.
     """
-    weights = [l.weight for l in layers]
     if all(use_matvec_kernel(x, w) for w in weights):
         stacks, indices = zip(*map(_as_stack, weights))
         if len({s.dtype for s in stacks}) == 1 and all(i is indices[0] for i in indices):
@@ -79,7 +87,7 @@ def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> li
         weights = [w.materialize() if isinstance(w, LayerSlice) else w for w in weights]
         joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))
         outs = jnp.split(joined, list(itertools.accumulate(w.shape[0] for w in weights))[:-1], axis=-1)
-    return [y.astype(x.dtype) if l.bias is None else (y + l.bias).astype(x.dtype) for y, l in zip(outs, layers)]
+    return [y.astype(x.dtype) for y in outs]
 
 
 class Linear(eqx.Module):
@@ -101,12 +109,31 @@ class Linear(eqx.Module):
             y = y + self.bias
         return y
 
-    def layer(self, index: Int[Array, ""]) -> "Linear":
+    def select_layer(self, index: Int[Array, ""]) -> "Linear":
         """This stacked `Linear`'s layer `index`, with the weight left in the stack."""
         out = eqx.tree_at(lambda m: m.weight, self, LayerSlice(self.weight, index))
         if self.bias is not None:
             out = eqx.tree_at(lambda m: m.bias, out, jax.lax.dynamic_index_in_dim(self.bias, index, keepdims=False))
         return out
+
+
+def layer_view(stacked, index: Int[Array, ""]):
+    """Layer `index` of a tree of stacked modules (arrays with a leading layers axis).
+
+    Modules with a `select_layer(index)` method give their own view (a `Linear`
+    keeps its weight in the stack as a `LayerSlice`, so decode reads it in place);
+    every other array is sliced.
+    """
+    selects = lambda node: isinstance(node, eqx.Module) and hasattr(node, "select_layer")
+
+    def select(node):
+        if selects(node):
+            return node.select_layer(index)
+        if eqx.is_array(node):
+            return jax.lax.dynamic_index_in_dim(node, index, keepdims=False)
+        return node
+
+    return jax.tree.map(select, stacked, is_leaf=selects)
 
 
 class Embedding(eqx.Module):

@@ -1,0 +1,220 @@
+"""Sparse mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral).
+
+Each token is routed to its `top_k` experts by a softmax router; an expert is a
+gated MLP. Compute follows the assignments, not the expert count: assignments
+are sorted by expert and cut into blocks of at most `block_rows` rows that each
+belong to one expert, and every block multiplies its rows by its expert's
+weights, read in place from the `[experts, out, in]` stacks (the decode kernel
+under a scanned layer). At decode each used expert is one block; blocks past the
+last used one are skipped. No token is dropped.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+from ..config import DecoderConfig
+from .linear import MAX_KERNEL_ROWS, LayerSlice, Linear, layer_view, project, project_many
+from .mlp import ACTIVATIONS, GatedMLP
+
+
+class Experts(eqx.Module):
+    """`num_experts` gated MLPs whose weights are stacked `[experts, out, in]`."""
+
+    gate_proj: Linear
+    up_proj: Linear
+    down_proj: Linear
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, key: PRNGKeyArray):
+        mlps = eqx.filter_vmap(lambda k: GatedMLP(hidden_size, intermediate_size, key=k))(
+            jax.random.split(key, num_experts)
+        )
+        self.gate_proj, self.up_proj, self.down_proj = mlps.gate_proj, mlps.up_proj, mlps.down_proj
+
+
+def _expert_weight(weight: Array | LayerSlice, expert: Int[Array, ""]) -> LayerSlice:
+    """Expert `expert` of `[experts, out, in]` weights (or of one layer's, in a stack
+    `[layers, experts, out, in]`), as a slice of a flat `[layers * experts, out, in]`
+    stack so the kernels read it in place."""
+    if isinstance(weight, LayerSlice):
+        layers, experts = weight.stack.shape[:2]
+        flat = weight.stack.reshape(layers * experts, *weight.stack.shape[2:])
+        return LayerSlice(flat, weight.index * experts + expert)
+    return LayerSlice(weight, expert)
+
+
+def route(
+    router_logits: Float[Array, "tokens experts"], top_k: int, normalize: bool
+) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+    """Softmax over experts (float32), the `top_k` largest, optionally renormalised."""
+    probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def expert_blocks(
+    experts: Int[Array, " assignments"], num_experts: int, block_rows: int
+) -> tuple[Int[Array, "blocks block_rows"], Int[Array, " blocks"], Int[Array, ""]]:
+    """Groups assignments by expert into blocks of at most `block_rows` rows.
+
+    Returns `rows` (assignment ids per block, `len(experts)` marking an empty slot),
+    each block's expert, and how many blocks are used (the rest are empty). The
+    block count is a static bound: at most `min(E, A)` experts have a partly filled
+    block, so `ceil((A + min(E, A) * (block_rows - 1)) / block_rows)`.
+    """
+    count = experts.shape[0]
+    bound = -(-(count + min(num_experts, count) * (block_rows - 1)) // block_rows)
+    order = jnp.argsort(experts, stable=True)
+    sorted_experts = experts[order]
+    per_expert = jnp.bincount(experts, length=num_experts)
+    first = jnp.cumsum(per_expert) - per_expert
+    blocks_per_expert = -(-per_expert // block_rows)
+    block_end = jnp.cumsum(blocks_per_expert)
+    rank = jnp.arange(count) - first[sorted_experts]
+    block = (block_end - blocks_per_expert)[sorted_experts] + rank // block_rows
+    rows = jnp.full((bound, block_rows), count, jnp.int32).at[block, rank % block_rows].set(order.astype(jnp.int32))
+    block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(bound), side="right"), num_experts - 1)
+    return rows, block_expert.astype(jnp.int32), block_end[-1]
+
+
+class SparseMoeBlock(eqx.Module):
+    """Router (`gate`) plus `experts`, HF's `Qwen3MoeSparseMoeBlock` / Mixtral's block."""
+
+    gate: Linear
+    experts: Experts
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    norm_topk_prob: bool = eqx.field(static=True)
+    hidden_act: str = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool,
+        hidden_act: str = "silu",
+        key: PRNGKeyArray,
+    ):
+        k_gate, k_experts = jax.random.split(key)
+        self.gate = Linear(hidden_size, num_experts, key=k_gate)
+        self.experts = Experts(num_experts, hidden_size, intermediate_size, key=k_experts)
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.hidden_act = hidden_act
+
+    def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
+        shape = x.shape
+        tokens = x.reshape(-1, shape[-1])
+        weights, chosen = route(self.gate(tokens), self.top_k, self.norm_topk_prob)
+        count = chosen.size
+        # Blocks about as tall as an expert's share of the assignments (a power of
+        # two, at most what the decode kernel takes): one row per block at decode,
+        # where the assignments mostly go to different experts, 16 for a prompt.
+        share = -(-count // self.num_experts)
+        block_rows = min(MAX_KERNEL_ROWS, 1 << (share - 1).bit_length())
+        rows, block_expert, used = expert_blocks(chosen.reshape(-1), self.num_experts, block_rows)
+        padded = jnp.concatenate([tokens, jnp.zeros((1, shape[-1]), tokens.dtype)])
+        token_of = jnp.where(rows < count, rows // self.top_k, tokens.shape[0])
+        act = ACTIVATIONS[self.hidden_act]
+
+        def run_block(_, block):
+            index, token_rows, expert = block
+
+            def compute():
+                h = padded[token_rows]
+                gate, up = project_many(
+                    h, [_expert_weight(l.weight, expert) for l in (self.experts.gate_proj, self.experts.up_proj)]
+                )
+                return project(act(gate) * up, _expert_weight(self.experts.down_proj.weight, expert))
+
+            out = jax.lax.cond(index < used, compute, lambda: jnp.zeros(token_rows.shape + shape[-1:], x.dtype))
+            return None, out
+
+        indices = jnp.arange(rows.shape[0])
+        _, outputs = jax.lax.scan(run_block, None, (indices, token_of, block_expert))
+        scale = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])
+        contributions = outputs * scale[jnp.minimum(rows, count)][..., None].astype(outputs.dtype)
+        out = jnp.zeros((tokens.shape[0] + 1, shape[-1]), x.dtype).at[token_of.reshape(-1)].add(
+            contributions.reshape(-1, shape[-1])
+        )
+        return out[:-1].reshape(shape)
+
+
+def dense_mlp(config: DecoderConfig, key: PRNGKeyArray) -> GatedMLP:
+    """A layer's dense feed-forward block as `config` describes it."""
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, hidden_act=config.hidden_act, use_bias=config.mlp_bias, key=key
+    )
+
+
+def sparse_mlp(config: DecoderConfig, key: PRNGKeyArray) -> SparseMoeBlock:
+    """A layer's mixture-of-experts block as `config` describes it."""
+    return SparseMoeBlock(
+        config.hidden_size,
+        config.moe_intermediate_size,
+        config.num_experts,
+        config.num_experts_per_tok,
+        norm_topk_prob=config.norm_topk_prob,
+        hidden_act=config.hidden_act,
+        key=key,
+    )
+
+
+class MixedMLP(eqx.Module):
+    """The MLPs of a layer stack in which only some layers are sparse (Qwen3-MoE's
+    `mlp_only_layers` / `decoder_sparse_step`).
+
+    Dense MLPs are stacked over the dense layers, MoE blocks over the sparse ones,
+    so neither kind carries weights for the other's layers. Inside the scan, layer
+    `i` looks up its kind and its place in that stack (`select_layer`) and runs one
+    branch of a `lax.cond`: still one scan over all layers.
+    """
+
+    dense: GatedMLP
+    sparse: SparseMoeBlock
+    sparse_layers: tuple[int, ...] = eqx.field(static=True)
+    num_layers: int = eqx.field(static=True)
+
+    def __init__(self, config: DecoderConfig, sparse_layers: tuple[int, ...], *, key: PRNGKeyArray):
+        k_dense, k_sparse = jax.random.split(key)
+        self.num_layers = config.num_hidden_layers
+        self.sparse_layers = tuple(sparse_layers)
+        dense_keys = jax.random.split(k_dense, len(self.dense_layers))
+        self.dense = eqx.filter_vmap(lambda k: dense_mlp(config, k))(dense_keys)
+        self.sparse = eqx.filter_vmap(lambda k: sparse_mlp(config, k))(jax.random.split(k_sparse, len(sparse_layers)))
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if i not in self.sparse_layers)
+
+    def substack_layers(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        return {f"{prefix}dense.": self.dense_layers, f"{prefix}sparse.": self.sparse_layers}
+
+    def select_layer(self, index: Int[Array, ""]) -> "MixedMLPLayer":
+        is_sparse = [i in self.sparse_layers for i in range(self.num_layers)]
+        # Each layer's position in its own kind's stack (0 in the other, unused).
+        slot = [(self.sparse_layers if s else self.dense_layers).index(i) for i, s in enumerate(is_sparse)]
+        here = jnp.asarray(slot, jnp.int32)[index]
+        return MixedMLPLayer(
+            layer_view(self.dense, jnp.where(jnp.asarray(is_sparse)[index], 0, here)),
+            layer_view(self.sparse, jnp.where(jnp.asarray(is_sparse)[index], here, 0)),
+            jnp.asarray(is_sparse)[index],
+        )
+
+
+class MixedMLPLayer(eqx.Module):
+    """One layer of a `MixedMLP`: both kinds' views, and which one this layer is."""
+
+    dense: GatedMLP
+    sparse: SparseMoeBlock
+    is_sparse: Array
+
+    def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
+        return jax.lax.cond(self.is_sparse, lambda h: self.sparse(h), lambda h: self.dense(h), x)
