@@ -116,6 +116,15 @@ def main():
                 f"| {run['library']} | {run['seconds']:.2f} | {run['peak_growth'] / load_result['weight_bytes']:.2f} | "
                 f"{run['peak_growth_after_touching_weights'] / load_result['weight_bytes']:.2f} |"
             )
+    moe = load("moe_decode")
+    if moe:
+        print("\n| experts | active expert MB/token | eqx_models decode ms/step | transformers decode ms/step | eqx_models prefill tok/s | transformers prefill tok/s |\n|---|---|---|---|---|---|")
+        for run in moe["runs"]:
+            ours, theirs = run["eqx_models"], run["transformers"]
+            print(
+                f"| {run['num_experts']} | {run['active_expert_bytes_per_token'] / 1e6:.0f} | {ours['decode_ms_per_step']:.1f} | "
+                f"{theirs['decode_ms_per_step']:.1f} | {ours['prefill_tokens_per_s']:.0f} | {theirs['prefill_tokens_per_s']:.0f} |"
+            )
     plot(decode, depth, ROOT / "docs" / "benchmarks.png")
 
 
