@@ -37,9 +37,21 @@ def small_model(seed: int = 0, **overrides) -> eqx_models.CausalLM:
     return eqx.tree_at(weights, model, [w / (0.02 * np.sqrt(w.shape[-1])) for w in weights(model)])
 
 
-@pytest.fixture(scope="module")
-def model():
-    return small_model()
+# The cache contract holds for every kind of layer stack: dense, biased, sparse
+# (mixture of experts), and dense and sparse layers mixed in one scan.
+ARCHITECTURES = {
+    "qwen3": {},
+    "qwen2": dict(model_type="qwen2", use_qk_norm=False, attention_bias=True),
+    "qwen3_moe": dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "qwen3_moe_mixed": dict(
+        model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,)
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=ARCHITECTURES)
+def model(request):
+    return small_model(**ARCHITECTURES[request.param])
 
 
 def random_ids(shape, seed=0, vocab=101):
