@@ -11,25 +11,35 @@ from .kernels import write_slots
 class KVCache(eqx.Module):
     """Keys and values of every layer, preallocated for `max_length` slots.
 
-    Slots are written left to right, the same number per call for every row; the
-    per-row `valid` mask marks which slots hold real tokens (left padding does not)
-    and `positions` counts each row's real tokens, which is the rotary position of
-    that row's next token. `model(ids, cache=cache)` returns the updated cache: the
-    same call serves prefill, chunked prefill and single-token decode.
+    Slots are written left to right, the same number per call for every row;
+    `slot_positions` holds each slot's rotary position (-1 where a slot holds no
+    real token: unwritten, or left padding) and `positions` counts each row's real
+    tokens, which is the position of that row's next token. `model(ids, cache=cache)`
+    returns the updated cache: the same call serves prefill, chunked prefill and
+    single-token decode.
+
+    With a `window` (sliding-window attention, where a token sees only the last
+    `window` positions) the buffer is a ring of at most `window` slots: writing
+    continues at slot 0 past the end and overwrites the oldest tokens, so memory
+    stays bounded however long generation runs. Without one, writing past
+    `max_length` is an error.
 
     Attributes:
         keys: `[layers, batch, kv_heads, kv_seq, head_dim]`, already rotated.
         values: `[layers, batch, kv_heads, kv_seq, head_dim]`.
-        valid: `[batch, kv_seq]`, True where a slot holds a real token.
+        slot_positions: `[batch, kv_seq]`, each slot's token position or -1.
         positions: `[batch]`, real tokens seen per row.
-        length: scalar, slots written so far (same for every row).
+        length: scalar, slots written so far (same for every row; past `max_length`
+            only for a ring).
+        window: the sliding window, or None.
     """
 
     keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
     values: Float[Array, "layers batch kv_heads kv_seq head_dim"]
-    valid: Bool[Array, "batch kv_seq"]
+    slot_positions: Int[Array, "batch kv_seq"]
     positions: Int[Array, " batch"]
     length: Int[Array, ""]
+    window: int | None = eqx.field(static=True, default=None)
 
     @classmethod
     def empty(
@@ -40,15 +50,19 @@ class KVCache(eqx.Module):
         max_length: int,
         head_dim: int,
         dtype=jnp.float32,
+        window: int | None = None,
     ) -> "KVCache":
-        """A cache with room for `max_length` tokens per row and nothing written."""
-        shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
+        """A cache for `max_length` tokens per row (a ring of `min(max_length,
+        window)` slots with a `window`), nothing written."""
+        slots = max_length if window is None else min(max_length, window)
+        shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
         return cls(
             keys=jnp.zeros(shape, dtype),
             values=jnp.zeros(shape, dtype),
-            valid=jnp.zeros((batch_size, max_length), bool),
+            slot_positions=jnp.full((batch_size, slots), -1, jnp.int32),
             positions=jnp.zeros((batch_size,), jnp.int32),
             length=jnp.zeros((), jnp.int32),
+            window=window,
         )
 
     @property
@@ -59,6 +73,11 @@ class KVCache(eqx.Module):
     @property
     def batch_size(self) -> int:
         return self.keys.shape[1]
+
+    @property
+    def valid(self) -> Bool[Array, "batch kv_seq"]:
+        """Where a slot holds a real token."""
+        return self.slot_positions >= 0
 
     def new_positions(self, attention_mask: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
         """Rotary positions of the tokens about to be appended (padding repeats its neighbour)."""
@@ -73,24 +92,36 @@ class KVCache(eqx.Module):
         """Writes one step's keys/values after the last written slot.
 
         One write per buffer (`eqx_models.kernels.write_slots`): under a jit that
-        donates the cache, the update happens in place. Writing past `max_length` raises (XLA would
-        otherwise clamp the index and overwrite the last slots silently).
+        donates the cache, the update happens in place. Writing past `max_length`
+        raises (XLA would otherwise clamp the index and overwrite the last slots
+        silently), except in a ring, which keeps the newest `max_length` slots.
         """
         seq = new_keys.shape[3]
-        length = eqx.error_if(
-            self.length,
-            self.length + seq > self.max_length,
-            "KVCache overflow: the tokens of this call do not fit in the cache's "
-            "max_length slots. Create a larger cache with model.init_cache(batch, max_length).",
-        )
-        keys = write_slots(self.keys, new_keys, length)
-        values = write_slots(self.values, new_values, length)
-        valid = jax.lax.dynamic_update_slice(self.valid, attention_mask.astype(bool), (0, length))
+        real = attention_mask.astype(bool)
+        new_slot_positions = jnp.where(real, self.new_positions(attention_mask), -1)
+        if self.window is None:
+            start = eqx.error_if(
+                self.length,
+                self.length + seq > self.max_length,
+                "KVCache overflow: the tokens of this call do not fit in the cache's "
+                "max_length slots. Create a larger cache with model.init_cache(batch, max_length).",
+            )
+            keys = write_slots(self.keys, new_keys, start)
+            values = write_slots(self.values, new_values, start)
+            slot_positions = jax.lax.dynamic_update_slice(self.slot_positions, new_slot_positions, (0, start))
+        else:
+            # Only the newest `max_length` tokens can still be attended to.
+            keep = min(seq, self.max_length)
+            start = (self.length + seq - keep) % self.max_length
+            keys = write_slots(self.keys, new_keys[:, :, :, seq - keep :], start, wrap=True)
+            values = write_slots(self.values, new_values[:, :, :, seq - keep :], start, wrap=True)
+            slots = (start + jnp.arange(keep)) % self.max_length
+            slot_positions = self.slot_positions.at[:, slots].set(new_slot_positions[:, seq - keep :])
         return KVCache(
             keys=keys,
             values=values,
-            valid=valid,
+            slot_positions=slot_positions,
             positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
-            length=length + seq,
+            length=self.length + seq,
+            window=self.window,
         )
-

@@ -117,6 +117,8 @@ class DecoderConfig:
     mlp_bias: bool = False
     use_qk_norm: bool = False
     hidden_act: str = "silu"
+    # Sliding-window attention: each token sees the last `sliding_window` positions.
+    sliding_window: int | None = None
     # Mixture of experts (0 experts: every layer is a dense MLP).
     num_experts: int = 0
     num_experts_per_tok: int = 0

@@ -46,6 +46,7 @@ ARCHITECTURES = {
     "qwen3_moe_mixed": dict(
         model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,)
     ),
+    "mistral_window": dict(model_type="mistral", use_qk_norm=False, sliding_window=6),
 }
 
 
@@ -166,11 +167,29 @@ def test_decode_step_updates_cache_in_place_without_copying_it():
     assert memory.temp_size_in_bytes < 0.75 * layer_slice, (memory.temp_size_in_bytes, layer_slice)
 
 
-def test_writing_past_the_cache_raises(model):
+def test_writing_past_the_cache_raises():
+    model = small_model()  # full attention: a fixed-size cache, not a ring
     cache = model.init_cache(1, 8)
     _, cache = model(random_ids((1, 6)), cache=cache)
     with pytest.raises(Exception, match="KVCache overflow"):
         model(random_ids((1, 3)), cache=cache)
+
+
+@pytest.mark.parametrize("first_chunk", [3, 12])
+def test_sliding_window_cache_is_a_ring_that_decodes_far_past_the_window(first_chunk):
+    model = small_model(model_type="mistral", use_qk_norm=False, sliding_window=5)
+    ids = random_ids((2, 30), seed=9)
+    full, _ = model(ids)
+    cache = model.init_cache(2, 1000)
+    assert cache.max_length == 5  # memory bounded by the window, not by max_length
+    logits, cache = model(ids[:, :first_chunk], cache=cache)
+    steps = [logits]
+    for t in range(first_chunk, 30):
+        logits, cache = model(ids[:, t : t + 1], cache=cache)
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-4, rtol=0)
+    assert cache.keys.shape[3] == 5 and int(cache.length) == 30
+    np.testing.assert_array_equal(np.sort(np.asarray(cache.slot_positions), axis=1), [list(range(25, 30))] * 2)
 
 
 def test_runtime_shape_checking_is_on(model):

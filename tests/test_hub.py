@@ -21,6 +21,7 @@ SAVE_CASES = {
         dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=[0, 2]),
     ),
     "mixtral": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2)),
+    "mistral": ("mistral", dict(sliding_window=8)),
 }
 
 

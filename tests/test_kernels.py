@@ -12,6 +12,7 @@ import pytest
 from eqx_models.kernels import (
     _attention_reference,
     _reference,
+    _write_reference,
     decode_attention,
     kernels_status,
     stacked_matvec,
@@ -104,6 +105,20 @@ def test_write_slots_writes_only_the_new_slots(dtype):
     np.testing.assert_array_equal(np.asarray(got), want)
     with pytest.raises(Exception, match="do not fit"):
         jax.block_until_ready(jax.jit(write_slots)(buffer, update, jnp.int32(8)))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("start", [0, 5, 8, 9])
+def test_write_slots_wraps_around_a_ring(dtype, start):
+    rng = np.random.default_rng(start)
+    buffer = jnp.asarray(rng.standard_normal((2, 1, 2, 10, 4)), dtype)
+    update = jnp.asarray(rng.standard_normal((2, 1, 2, 4, 4)), dtype)
+    want = np.asarray(buffer).copy()
+    want[:, :, :, [(start + j) % 10 for j in range(4)]] = np.asarray(update)
+    write = jax.jit(lambda b, u, s: write_slots(b, u, s, wrap=True))
+    np.testing.assert_array_equal(np.asarray(write(buffer, update, jnp.int32(start))), want)
+    reference = jax.jit(lambda b, u, s: _write_reference(b, u, s, wrap=True))
+    np.testing.assert_array_equal(np.asarray(reference(buffer, update, jnp.int32(start))), want)
 
 
 def test_model_without_kernels_gives_the_same_tokens_and_logits(tmp_path):

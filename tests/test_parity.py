@@ -45,6 +45,10 @@ CASES = {
         dict(num_experts=4, num_experts_per_tok=1, moe_intermediate_size=16, decoder_sparse_step=2),
     ),
     "mixtral": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    # Windows shorter than the prompt (40) and the generation (24): the ring cache wraps.
+    "mistral-window": ("mistral", dict(sliding_window=8)),
+    "mistral-no-window": ("mistral", dict(sliding_window=None, num_key_value_heads=1)),
+    "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
 }
 
 # Longer than the llama3 case's original_max_position_embeddings (32), so the

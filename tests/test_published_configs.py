@@ -39,6 +39,12 @@ QWEN2_5_7B = dict(
     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
     use_sliding_window=False, sliding_window=131072, max_window_layers=28, hidden_act="silu",
 )
+MISTRAL_7B_V0_1 = dict(
+    model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    sliding_window=4096, hidden_act="silu",
+)
 MIXTRAL_8X7B = dict(
     model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -53,6 +59,7 @@ PUBLISHED = {
     "Qwen3-30B-A3B": (QWEN3_30B_A3B, 30_532_122_624),
     "Llama-3.1-8B": (LLAMA_3_1_8B, 8_030_261_248),
     "Qwen2.5-7B": (QWEN2_5_7B, 7_615_616_512),
+    "Mistral-7B-v0.1": (MISTRAL_7B_V0_1, 7_241_732_096),
     "Mixtral-8x7B-v0.1": (MIXTRAL_8X7B, 46_702_792_704),
 }
 

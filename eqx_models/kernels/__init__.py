@@ -222,28 +222,40 @@ def decode_attention(
     )
 
 
-def _write_reference(buffer: Array, update: Array, start: Array) -> Array:
+def _write_reference(buffer: Array, update: Array, start: Array, wrap: bool) -> Array:
     # On the raw 16-bit patterns: no float arithmetic for XLA to widen.
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
-    written = jax.lax.dynamic_update_slice(bits(buffer), bits(update), (0, 0, 0, start, 0))
+    if wrap:
+        slots = (start + jnp.arange(update.shape[3])) % buffer.shape[3]
+        written = bits(buffer).at[:, :, :, slots].set(bits(update))
+    else:
+        written = jax.lax.dynamic_update_slice(bits(buffer), bits(update), (0, 0, 0, start, 0))
     return jax.lax.bitcast_convert_type(written, buffer.dtype) if buffer.dtype.itemsize == 2 else written
 
 
-def _write_kernel(buffer: Array, update: Array, start: Array) -> Array:
+def _write_kernel(buffer: Array, update: Array, start: Array, wrap: bool) -> Array:
     call = jax.ffi.ffi_call(
         WRITE_TARGET, jax.ShapeDtypeStruct(buffer.shape, buffer.dtype), input_output_aliases={0: 0},
         vmap_method="sequential",
     )
-    return call(buffer, update, start.astype(jnp.int32).reshape(()))
+    return call(buffer, update, start.astype(jnp.int32).reshape(()), wrap=np.int32(wrap))
 
 
 def write_slots(
     buffer: Shaped[Array, "layers batch kv_heads kv_seq head_dim"],
     update: Shaped[Array, "layers batch kv_heads new head_dim"],
     start: Int[Array, ""],
+    *,
+    wrap: bool = False,
 ) -> Shaped[Array, "layers batch kv_heads kv_seq head_dim"]:
     """`buffer` with `update` written at slot `start` of axis 3 (in place when donated).
 
-    The caller checks that the slots fit; the kernel refuses to write past the end.
+    With `wrap` the buffer is a ring: slots past the end continue at slot 0 (the
+    update must not be longer than the buffer). Otherwise the caller checks that
+    the slots fit; the kernel refuses to write past the end.
     """
-    return _dispatch(_write_kernel, _write_reference, buffer, update.astype(buffer.dtype), start)
+    return _dispatch(
+        functools.partial(_write_kernel, wrap=wrap),
+        functools.partial(_write_reference, wrap=wrap),
+        buffer, update.astype(buffer.dtype), start,
+    )

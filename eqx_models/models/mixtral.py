@@ -8,7 +8,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from . import Architecture
 
 # Training-only settings: router loss and input jitter.
@@ -18,14 +18,11 @@ EXPERT_NAMES = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3"}
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
-    if hf.get("sliding_window") is not None:
-        raise ConfigError(
-            f"Mixtral with sliding_window={hf['sliding_window']} is not supported yet; the released "
-            "Mixtral checkpoints set it to null."
-        )
     config = decoder_config_from_hf(hf, use_qk_norm=False, extra_ignored=TRAINING_KEYS | MOE_KEYS)
+    window = hf.get("sliding_window")
     return dataclasses.replace(
         config,
+        sliding_window=None if window is None else int(window),
         num_experts=int(hf["num_local_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=config.intermediate_size,
@@ -35,7 +32,11 @@ def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
 
 def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     hf = decoder_config_to_hf(config)
-    hf.update(num_local_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok, sliding_window=None)
+    hf.update(
+        num_local_experts=config.num_experts,
+        num_experts_per_tok=config.num_experts_per_tok,
+        sliding_window=config.sliding_window,
+    )
     return hf
 
 

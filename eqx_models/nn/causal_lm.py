@@ -109,7 +109,9 @@ class CausalLM(eqx.Module):
         return eqx.tree_at(lambda m: m.model, self, decoder)
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """An empty `KVCache` for `batch_size` rows of up to `max_length` tokens."""
+        """An empty `KVCache` for `batch_size` rows of up to `max_length` tokens (with
+        sliding-window attention, a ring of at most `sliding_window` slots that takes
+        any number of tokens)."""
         c = self.config
         return KVCache.empty(
             c.num_hidden_layers,
@@ -118,4 +120,5 @@ class CausalLM(eqx.Module):
             max_length,
             c.head_dim,
             dtype or self.dtype,
+            c.sliding_window,
         )

@@ -75,6 +75,7 @@ class Decoder(eqx.Module):
     norm: RMSNorm
     rotary_emb: RotaryEmbedding
     scan_layers: bool = eqx.field(static=True)
+    sliding_window: int | None = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, scan_layers: bool = True):
         k_embed, k_layers = jax.random.split(key)
@@ -91,10 +92,16 @@ class Decoder(eqx.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.scan_layers = scan_layers
+        self.sliding_window = config.sliding_window
 
     @property
     def num_layers(self) -> int:
         return self.layers.input_layernorm.weight.shape[0]
+
+    def _in_window(self, query_positions: Int[Array, "batch seq"], key_positions: Int[Array, "batch keys"]):
+        """`[batch, seq, keys]`: keys among the last `sliding_window` positions of each
+        query (itself included), as `transformers` masks them."""
+        return query_positions[:, :, None] - key_positions[:, None, :] < self.sliding_window
 
     def substack_layers(self) -> dict[str, tuple[int, ...]]:
         """Leaves of `layers` stacked over a subset of the layers: their path under
@@ -128,9 +135,13 @@ class Decoder(eqx.Module):
             cached_allowed = jnp.broadcast_to(
                 cache.valid[:, None, :], (cache.batch_size, seq, cache.max_length)
             )
+            if self.sliding_window is not None:
+                cached_allowed = cached_allowed & self._in_window(positions, cache.slot_positions)
         cos, sin = self.rotary_emb(positions)
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
+        if self.sliding_window is not None:
+            new_allowed = new_allowed & self._in_window(positions, positions)
 
         def run_layer(h, index):
             # Weights and cache enter the loop whole; each layer refers to its slice
@@ -151,7 +162,9 @@ class Decoder(eqx.Module):
             new_values = jnp.stack([v for _, v in per_layer])
         if cache is None and new_cache_length is not None:
             layers, batch, kv_heads, _, head_dim = new_keys.shape
-            cache = KVCache.empty(layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype)
+            cache = KVCache.empty(
+                layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype, self.sliding_window
+            )
         if cache is not None:
             cache = cache.append(new_keys, new_values, attention_mask)
         return self.norm(x), cache
