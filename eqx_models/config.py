@@ -83,7 +83,7 @@ GENERIC_IGNORED_KEYS = frozenset(
 )
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-SUPPORTED_ACTIVATIONS = ("silu", "swish")
+SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
 class ConfigError(ValueError):
@@ -118,7 +118,17 @@ class DecoderConfig:
     use_qk_norm: bool = False
     hidden_act: str = "silu"
     # Sliding-window attention: each token sees the last `sliding_window` positions.
+    # With `layer_types`, only the layers marked "sliding_attention" do (Gemma 3),
+    # and they may use their own rotary base `local_rope_theta`.
     sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    local_rope_theta: float | None = None
+    # Gemma-style blocks: RMSNorm scaled by (1 + w), norms before and after both
+    # sublayers, embeddings multiplied by `embed_scale`, scores by query_pre_attn_scalar**-0.5.
+    norm_unit_offset: bool = False
+    sandwich_norms: bool = False
+    embed_scale: float | None = None
+    query_pre_attn_scalar: float | None = None
     # Mixture of experts (0 experts: every layer is a dense MLP).
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -154,6 +164,15 @@ class DecoderConfig:
                 f"rope type {rope_type!r} is not supported; expected one of "
                 f"{SUPPORTED_ROPE_TYPES}."
             )
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer, whether it attends through the sliding window."""
+        if self.sliding_window is None:
+            return (False,) * self.num_hidden_layers
+        if self.layer_types is None:
+            return (True,) * self.num_hidden_layers
+        return tuple(t == "sliding_attention" for t in self.layer_types)
 
     @property
     def sparse_layers(self) -> tuple[int, ...]:

@@ -47,6 +47,11 @@ ARCHITECTURES = {
         model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, mlp_only_layers=(1,)
     ),
     "mistral_window": dict(model_type="mistral", use_qk_norm=False, sliding_window=6),
+    "gemma3_local_global": dict(
+        model_type="gemma3_text", sliding_window=5, layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+        local_rope_theta=100.0, norm_unit_offset=True, sandwich_norms=True, embed_scale=32**0.5,
+        query_pre_attn_scalar=12.0, hidden_act="gelu_pytorch_tanh",
+    ),
 }
 
 
@@ -105,9 +110,16 @@ def test_unrolled_layers_equal_scanned_layers(model):
         step_logits, cache = m(ids[:, :1], cache=cache)
         return logits, step_logits, cache
 
-    # Same stacked weights, same math, both compiled: bit-for-bit the same numbers.
+    # Same stacked weights, same math, both compiled: bit-for-bit the same numbers,
+    # except where a scale is not a power of two (Gemma's sqrt(hidden) embedding
+    # scale and query_pre_attn_scalar): XLA orders those multiplications differently
+    # in a loop body than in straight-line code, a float32 rounding difference.
+    exact = model.config.embed_scale is None and model.config.query_pre_attn_scalar is None
     for scanned, looped in zip(jax.tree.leaves(prefill_and_step(model)), jax.tree.leaves(prefill_and_step(unrolled))):
-        np.testing.assert_array_equal(looped, scanned)
+        if exact:
+            np.testing.assert_array_equal(looped, scanned)
+        else:
+            np.testing.assert_allclose(looped, scanned, atol=1e-5, rtol=0)
 
 
 def test_left_padded_batch_equals_each_prompt_alone(model):

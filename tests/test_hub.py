@@ -22,6 +22,7 @@ SAVE_CASES = {
     ),
     "mixtral": ("mixtral", dict(num_local_experts=3, num_experts_per_tok=2)),
     "mistral": ("mistral", dict(sliding_window=8)),
+    "gemma3": ("gemma3_text", dict(num_hidden_layers=3, sliding_window=4, sliding_window_pattern=2, head_dim=8)),
 }
 
 

@@ -49,12 +49,31 @@ CASES = {
     "mistral-window": ("mistral", dict(sliding_window=8)),
     "mistral-no-window": ("mistral", dict(sliding_window=None, num_key_value_heads=1)),
     "mixtral-window": ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+    # Local and global layers in one scan; 5 layers with the pattern of 2 (not a multiple).
+    "gemma3-pattern": (
+        "gemma3_text",
+        dict(num_hidden_layers=5, sliding_window=8, sliding_window_pattern=2, head_dim=16, query_pre_attn_scalar=12),
+    ),
+    "gemma3-layer-types-tied": (
+        "gemma3_text",
+        dict(
+            num_hidden_layers=4,
+            sliding_window=6,
+            head_dim=8,
+            tie_word_embeddings=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 500.0},
+            },
+        ),
+    ),
 }
 
 # Longer than the llama3 case's original_max_position_embeddings (32), so the
 # scaled frequencies matter.
 PROMPT_LEN = 40
-NEW_TOKENS = 24
+NEW_TOKENS = 30
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -45,6 +45,14 @@ MISTRAL_7B_V0_1 = dict(
     max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False,
     sliding_window=4096, hidden_act="silu",
 )
+GEMMA_3_1B = dict(
+    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144, hidden_size=1152,
+    intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+    max_position_embeddings=32768, rope_theta=1000000.0, rope_local_base_freq=10000.0, rope_scaling=None,
+    rms_norm_eps=1e-6, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
+    hidden_activation="gelu_pytorch_tanh", attention_bias=False, final_logit_softcapping=None,
+    attn_logit_softcapping=None, cache_implementation="hybrid", tie_word_embeddings=True,
+)
 MIXTRAL_8X7B = dict(
     model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -60,6 +68,7 @@ PUBLISHED = {
     "Llama-3.1-8B": (LLAMA_3_1_8B, 8_030_261_248),
     "Qwen2.5-7B": (QWEN2_5_7B, 7_615_616_512),
     "Mistral-7B-v0.1": (MISTRAL_7B_V0_1, 7_241_732_096),
+    "Gemma-3-1B": (GEMMA_3_1B, 999_885_952),
     "Mixtral-8x7B-v0.1": (MIXTRAL_8X7B, 46_702_792_704),
 }
 
@@ -76,7 +85,7 @@ def parameter_count(model) -> int:
 def transformers_parameter_count(hf_config: dict) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures")}
+    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "cache_implementation")}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_config["model_type"], **fields))
     return sum(p.numel() for p in model.parameters())

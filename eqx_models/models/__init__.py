@@ -29,9 +29,9 @@ class Architecture:
 
 
 def _registry() -> dict[str, Architecture]:
-    from . import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
+    from . import gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 
-    architectures = (llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)
+    architectures = (gemma3, llama, mistral, mixtral, qwen2, qwen3, qwen3_moe)
     return {module.ARCHITECTURE.model_type: module.ARCHITECTURE for module in architectures}
 
 

@@ -22,13 +22,15 @@ def masked_softmax_attention(
     keys: list[Float[Array, "batch kv_heads _ head_dim"]],
     values: list[Float[Array, "batch kv_heads _ head_dim"]],
     allowed: list[Bool[Array, "batch seq _"]],
+    scale: float | None = None,
 ) -> Float[Array, "batch kv_heads groups seq head_dim"]:
     """Softmax attention over several key/value blocks as if they were concatenated.
 
     Each block comes with its own `allowed` mask, so the cached keys and the new keys
     of a step never need to be copied into one buffer first. Scores and the softmax
     are float32 whatever the activation dtype. The last block must be the new
-    tokens' own (causal) block: long prompts are split by query along it.
+    tokens' own (causal) block: long prompts are split by query along it. Scores
+    are scaled by `scale` (default `head_dim ** -0.5`).
     """
     seq = query.shape[3]
     if seq > 2 * QUERY_CHUNK:
@@ -42,10 +44,11 @@ def masked_softmax_attention(
                     keys[:-1] + [keys[-1][:, :, :stop]],
                     values[:-1] + [values[-1][:, :, :stop]],
                     [a[:, start:stop] for a in allowed[:-1]] + [allowed[-1][:, start:stop, :stop]],
+                    scale,
                 )
             )
         return jnp.concatenate(outputs, axis=3)
-    scale = query.shape[-1] ** -0.5
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
     scores = [
         jnp.einsum("bkgtd,bksd->bkgts", query, k, preferred_element_type=jnp.float32) * scale for k in keys
     ]
@@ -89,6 +92,7 @@ class Attention(eqx.Module):
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
+    scale: float = eqx.field(static=True)
 
     def __init__(
         self,
@@ -100,6 +104,8 @@ class Attention(eqx.Module):
         use_bias: bool = False,
         output_bias: bool | None = None,
         qk_norm_eps: float | None = None,
+        norm_unit_offset: bool = False,
+        query_pre_attn_scalar: float | None = None,
         key: PRNGKeyArray,
     ):
         kq, kk, kv, ko = jax.random.split(key, 4)
@@ -109,11 +115,12 @@ class Attention(eqx.Module):
         output_bias = use_bias if output_bias is None else output_bias
         self.o_proj = Linear(num_heads * head_dim, hidden_size, use_bias=output_bias, key=ko)
         use_norm = qk_norm_eps is not None
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if use_norm else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if use_norm else None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=norm_unit_offset) if use_norm else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=norm_unit_offset) if use_norm else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.scale = (head_dim if query_pre_attn_scalar is None else query_pre_attn_scalar) ** -0.5
 
     def __call__(
         self,
@@ -158,7 +165,7 @@ class Attention(eqx.Module):
                 new_allowed[:, 0, 0],
                 as_cached(k),
                 as_cached(v),
-                self.head_dim**-0.5,
+                self.scale,
             ).astype(x.dtype)
         else:
             q = q.reshape(batch, self.num_kv_heads, groups, seq, self.head_dim)
@@ -167,6 +174,6 @@ class Attention(eqx.Module):
                 keys.insert(0, cached[0].materialize())
                 values.insert(0, cached[1].materialize())
                 allowed.insert(0, cached_allowed)
-            out = masked_softmax_attention(q, keys, values, allowed)
+            out = masked_softmax_attention(q, keys, values, allowed, self.scale)
         out = out.reshape(batch, self.num_heads, seq, self.head_dim).transpose(0, 2, 1, 3)
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)), (k, v)

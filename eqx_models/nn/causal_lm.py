@@ -120,5 +120,5 @@ class CausalLM(eqx.Module):
             max_length,
             c.head_dim,
             dtype or self.dtype,
-            c.sliding_window,
+            self.model.ring_window,
         )

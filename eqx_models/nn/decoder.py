@@ -16,12 +16,20 @@ from .rope import RotaryEmbedding
 
 
 class DecoderLayer(eqx.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`."""
+    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+
+    With sandwich norms (Gemma) each sublayer's output is normalised too:
+    `x + post_attention_layernorm(attn(input_layernorm(x)))`, then
+    `x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`; otherwise
+    `post_attention_layernorm` is the norm before the MLP, as in Llama.
+    """
 
     self_attn: Attention
     mlp: GatedMLP | SparseMoeBlock | MixedMLP
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
+    pre_feedforward_layernorm: RMSNorm | None
+    post_feedforward_layernorm: RMSNorm | None
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
         """`mlp=False` leaves `mlp` as None, for a stack that sets a `MixedMLP` after."""
@@ -34,12 +42,17 @@ class DecoderLayer(eqx.Module):
             use_bias=config.attention_bias,
             output_bias=config.o_proj_bias,
             qk_norm_eps=config.rms_norm_eps if config.use_qk_norm else None,
+            norm_unit_offset=config.norm_unit_offset,
+            query_pre_attn_scalar=config.query_pre_attn_scalar,
             key=k_attn,
         )
         every_layer_sparse = len(config.sparse_layers) == config.num_hidden_layers
         self.mlp = (sparse_mlp(config, k_mlp) if every_layer_sparse else dense_mlp(config, k_mlp)) if mlp else None
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
 
     def __call__(
         self,
@@ -56,9 +69,11 @@ class DecoderLayer(eqx.Module):
         attn_out, new_kv = self.self_attn(
             self.input_layernorm(x), cos, sin, new_allowed, cached, cached_allowed
         )
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, new_kv
+        if self.pre_feedforward_layernorm is None:
+            x = x + attn_out
+            return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+        x = x + self.post_attention_layernorm(attn_out)
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), new_kv
 
 
 class Decoder(eqx.Module):
@@ -74,8 +89,11 @@ class Decoder(eqx.Module):
     layers: DecoderLayer
     norm: RMSNorm
     rotary_emb: RotaryEmbedding
+    local_rotary_emb: RotaryEmbedding | None
     scan_layers: bool = eqx.field(static=True)
     sliding_window: int | None = eqx.field(static=True)
+    sliding_layers: tuple[bool, ...] = eqx.field(static=True)
+    embed_scale: float | None = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, scan_layers: bool = True):
         k_embed, k_layers = jax.random.split(key)
@@ -89,14 +107,25 @@ class Decoder(eqx.Module):
             self.layers = eqx.tree_at(lambda l: l.mlp, layers, mixed, is_leaf=lambda x: x is None)
         else:
             self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(layer_keys)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.local_rotary_emb = (
+            None if config.local_rope_theta is None else RotaryEmbedding(config.head_dim, config.local_rope_theta, None)
+        )
         self.scan_layers = scan_layers
         self.sliding_window = config.sliding_window
+        self.sliding_layers = config.sliding_layers
+        self.embed_scale = config.embed_scale
 
     @property
     def num_layers(self) -> int:
         return self.layers.input_layernorm.weight.shape[0]
+
+    @property
+    def ring_window(self) -> int | None:
+        """The cache's ring size: the window when every layer slides, else None
+        (global layers need every position; sliding ones are masked)."""
+        return self.sliding_window if self.sliding_layers and all(self.sliding_layers) else None
 
     def _in_window(self, query_positions: Int[Array, "batch seq"], key_positions: Int[Array, "batch keys"]):
         """`[batch, seq, keys]`: keys among the last `sliding_window` positions of each
@@ -126,6 +155,8 @@ class Decoder(eqx.Module):
         """
         seq = input_ids.shape[1]
         x = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            x = x * jnp.asarray(self.embed_scale, x.dtype)
         if cache is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
             cached_kv, cached_allowed = None, None
@@ -135,20 +166,29 @@ class Decoder(eqx.Module):
             cached_allowed = jnp.broadcast_to(
                 cache.valid[:, None, :], (cache.batch_size, seq, cache.max_length)
             )
-            if self.sliding_window is not None:
-                cached_allowed = cached_allowed & self._in_window(positions, cache.slot_positions)
-        cos, sin = self.rotary_emb(positions)
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
-        if self.sliding_window is not None:
-            new_allowed = new_allowed & self._in_window(positions, positions)
+        # Per layer kind (global / sliding window): rotary tables and masks.
+        kinds = {False: (self.rotary_emb(positions), new_allowed, cached_allowed)}
+        if any(self.sliding_layers):
+            rotary = self.rotary_emb if self.local_rotary_emb is None else self.local_rotary_emb
+            windowed_cache = None if cache is None else cached_allowed & self._in_window(positions, cache.slot_positions)
+            kinds[True] = (rotary(positions), new_allowed & self._in_window(positions, positions), windowed_cache)
+        if all(self.sliding_layers):
+            del kinds[False]
+        sliding = jnp.asarray(self.sliding_layers)
 
         def run_layer(h, index):
             # Weights and cache enter the loop whole; each layer refers to its slice
             # by index (see `LayerSlice`) rather than receiving a copy.
             layer = layer_view(self.layers, index)
             layer_kv = None if cached_kv is None else tuple(LayerSlice(a, index) for a in cached_kv)
-            return layer(h, cos, sin, new_allowed, layer_kv, cached_allowed)
+            if len(kinds) == 1:
+                ((cos, sin), allowed, allowed_cached), = kinds.values()
+            else:  # mixed layers (Gemma 3): pick this layer's kind
+                pick = lambda local, full: None if full is None else jnp.where(sliding[index], local, full)
+                ((cos, sin), allowed, allowed_cached) = jax.tree.map(pick, kinds[True], kinds[False], is_leaf=lambda a: a is None)
+            return layer(h, cos, sin, allowed, layer_kv, allowed_cached)
 
         indices = jnp.arange(self.num_layers, dtype=jnp.int32)
         if self.scan_layers:
@@ -163,7 +203,7 @@ class Decoder(eqx.Module):
         if cache is None and new_cache_length is not None:
             layers, batch, kv_heads, _, head_dim = new_keys.shape
             cache = KVCache.empty(
-                layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype, self.sliding_window
+                layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype, self.ring_window
             )
         if cache is not None:
             cache = cache.append(new_keys, new_values, attention_mask)

@@ -1,12 +1,18 @@
 """The gated feed-forward block (SwiGLU)."""
 
+import functools
+
 import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from .linear import Linear, project_together
 
-ACTIVATIONS = {"silu": jax.nn.silu, "swish": jax.nn.silu}
+ACTIVATIONS = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
 
 
 class GatedMLP(eqx.Module):
