@@ -79,7 +79,7 @@ AVX512 void tile_avx512(const float* x, int64_t ldx, const float* w, float* y, i
 
 // bfloat16 weights, 32 per load: the even elements widen by a shift, the odd ones
 // by masking off the low half, each against activations pre-split the same way
-// (`split_pairs`). One load and two integer ops per 32 weights instead of a
+// (`Activations`). One load and two integer ops per 32 weights instead of a
 // widening shuffle per 16.
 template <int B, int R>
 AVX512 void tile_bf16_pairs(const float* xs, int64_t ldx, const uint16_t* w, float* y, int64_t n,

@@ -168,14 +168,14 @@ class Decoder(eqx.Module):
             )
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
-        # Per layer kind (global / sliding window): rotary tables and masks.
-        kinds = {False: (self.rotary_emb(positions), new_allowed, cached_allowed)}
-        if any(self.sliding_layers):
+        # What a layer attends with, per kind: (rotary tables, new-token mask, cache mask).
+        any_sliding, all_sliding = any(self.sliding_layers), all(self.sliding_layers)
+        if not all_sliding:
+            full = (self.rotary_emb(positions), new_allowed, cached_allowed)
+        if any_sliding:
             rotary = self.rotary_emb if self.local_rotary_emb is None else self.local_rotary_emb
             windowed_cache = None if cache is None else cached_allowed & self._in_window(positions, cache.slot_positions)
-            kinds[True] = (rotary(positions), new_allowed & self._in_window(positions, positions), windowed_cache)
-        if all(self.sliding_layers):
-            del kinds[False]
+            local = (rotary(positions), new_allowed & self._in_window(positions, positions), windowed_cache)
         sliding = jnp.asarray(self.sliding_layers)
 
         def run_layer(h, index):
@@ -183,11 +183,13 @@ class Decoder(eqx.Module):
             # by index (see `LayerSlice`) rather than receiving a copy.
             layer = layer_view(self.layers, index)
             layer_kv = None if cached_kv is None else tuple(LayerSlice(a, index) for a in cached_kv)
-            if len(kinds) == 1:
-                ((cos, sin), allowed, allowed_cached), = kinds.values()
-            else:  # mixed layers (Gemma 3): pick this layer's kind
-                pick = lambda local, full: None if full is None else jnp.where(sliding[index], local, full)
-                ((cos, sin), allowed, allowed_cached) = jax.tree.map(pick, kinds[True], kinds[False], is_leaf=lambda a: a is None)
+            if all_sliding:
+                inputs = local
+            elif not any_sliding:
+                inputs = full
+            else:  # local and global layers (Gemma 3): this layer's kind
+                inputs = jax.tree.map(lambda a, b: jnp.where(sliding[index], a, b), local, full)
+            (cos, sin), allowed, allowed_cached = inputs
             return layer(h, cos, sin, allowed, layer_kv, allowed_cached)
 
         indices = jnp.arange(self.num_layers, dtype=jnp.int32)

@@ -206,11 +206,11 @@ class MixedMLP(eqx.Module):
         is_sparse = [i in self.sparse_layers for i in range(self.num_layers)]
         # Each layer's position in its own kind's stack (0 in the other, unused).
         slot = [(self.sparse_layers if s else self.dense_layers).index(i) for i, s in enumerate(is_sparse)]
-        here = jnp.asarray(slot, jnp.int32)[index]
+        here, sparse_here = jnp.asarray(slot, jnp.int32)[index], jnp.asarray(is_sparse)[index]
         return MixedMLPLayer(
-            layer_view(self.dense, jnp.where(jnp.asarray(is_sparse)[index], 0, here)),
-            layer_view(self.sparse, jnp.where(jnp.asarray(is_sparse)[index], here, 0)),
-            jnp.asarray(is_sparse)[index],
+            layer_view(self.dense, jnp.where(sparse_here, 0, here)),
+            layer_view(self.sparse, jnp.where(sparse_here, here, 0)),
+            sparse_here,
         )
 
 
