@@ -113,6 +113,24 @@ def test_config_keys_that_change_the_math_are_refused(checkpoint_factory, tmp_pa
         eqx_models.from_pretrained(edited)
 
 
+@pytest.mark.parametrize(
+    "model_type, overrides, edit, message",
+    [
+        ("gemma3_text", dict(num_hidden_layers=2, head_dim=8), dict(final_logit_softcapping=30.0), "final_logit_softcapping=30.0"),
+        ("gemma3_text", dict(num_hidden_layers=2, head_dim=8), dict(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0"),
+        ("qwen2", {}, dict(use_sliding_window=True), "sliding-window layers"),
+    ],
+)
+def test_unimplemented_architecture_settings_are_refused(checkpoint_factory, tmp_path, model_type, overrides, edit, message):
+    folder, _ = checkpoint_factory(model_type, **overrides)
+    edited = copy_checkpoint(folder, tmp_path)
+    config = json.loads((edited / "config.json").read_text())
+    config.update(edit)
+    (edited / "config.json").write_text(json.dumps(config))
+    with pytest.raises(eqx_models.ConfigError, match=message):
+        eqx_models.from_pretrained(edited)
+
+
 def edit_tensors(folder, edit):
     path = folder / "model.safetensors"
     tensors = load_file(path)
