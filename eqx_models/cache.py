@@ -5,7 +5,45 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
-from .kernels import write_slots
+from .kernels import decode_attention, write_slots
+
+
+class LayerKV(eqx.Module):
+    """One layer of a `KVCache`, referred to by index into the whole stacks.
+
+    Inside the scanned decoder the attention sees its layer's cache this way, so
+    the decode kernel reads the slice in place; `materialize()` gives the slice
+    for everything else. Every cache kind has such a view with the same methods.
+    """
+
+    keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
+    values: Float[Array, "layers batch kv_heads kv_seq head_dim"]
+    index: Int[Array, ""]
+
+    @property
+    def dtype(self):
+        return self.keys.dtype
+
+    def materialize(
+        self,
+    ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]]:
+        """This layer's keys and values."""
+        take = lambda stack: jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
+        return take(self.keys), take(self.values)
+
+    def attend_token(
+        self,
+        query: Float[Array, "batch kv_heads groups head_dim"],
+        valid: Bool[Array, "batch kv_seq"],
+        self_valid: Bool[Array, " batch"],
+        new_key: Float[Array, "batch kv_heads head_dim"],
+        new_value: Float[Array, "batch kv_heads head_dim"],
+        scale: float,
+    ) -> Float[Array, "batch kv_heads groups head_dim"]:
+        """One new token per row against this layer's slots (see `kernels.decode_attention`)."""
+        return decode_attention(
+            query, self.keys, self.values, self.index, valid, self_valid, new_key, new_value, scale
+        )
 
 
 class KVCache(eqx.Module):
@@ -73,6 +111,10 @@ class KVCache(eqx.Module):
     @property
     def batch_size(self) -> int:
         return self.keys.shape[1]
+
+    def layer(self, index: Int[Array, ""]) -> LayerKV:
+        """Layer `index` of the cache, read in place by the decode kernel."""
+        return LayerKV(self.keys, self.values, index)
 
     @property
     def valid(self) -> Bool[Array, "batch kv_seq"]:

@@ -11,12 +11,17 @@ import pytest
 
 from eqx_models.kernels import (
     _attention_reference,
+    _paged_attention_reference,
     _reference,
+    _write_pages_reference,
     _write_reference,
     decode_attention,
+    gather_pages,
     kernels_status,
+    paged_decode_attention,
     stacked_matvec,
     stacked_matvecs,
+    write_pages,
     write_slots,
 )
 
@@ -119,6 +124,53 @@ def test_write_slots_wraps_around_a_ring(dtype, start):
     np.testing.assert_array_equal(np.asarray(write(buffer, update, jnp.int32(start))), want)
     reference = jax.jit(lambda b, u, s: _write_reference(b, u, s, wrap=True))
     np.testing.assert_array_equal(np.asarray(reference(buffer, update, jnp.int32(start))), want)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size, pages_per_row, head_dim", [(4, 5, 16), (16, 3, 128), (1, 9, 8)])
+def test_paged_decode_attention_reads_each_rows_pages(dtype, page_size, pages_per_row, head_dim):
+    rng = np.random.default_rng(page_size)
+    layers, pages, batch, kv_heads, groups = 2, 40, 3, 2, 2
+    keys = jnp.asarray(3 * rng.standard_normal((layers, pages, kv_heads, page_size, head_dim)), dtype)
+    values = jnp.asarray(rng.standard_normal((layers, pages, kv_heads, page_size, head_dim)), dtype)
+    tables = rng.permutation(pages)[: batch * pages_per_row].reshape(batch, pages_per_row).astype(np.int32)
+    kv_seq = pages_per_row * page_size
+    valid = np.arange(kv_seq)[None] < np.array([[kv_seq], [kv_seq // 2], [0]])  # full, half, empty row
+    self_valid = np.array([True, True, False])
+    query = rng.standard_normal((batch, kv_heads, groups, head_dim)).astype(np.float32)
+    new_key = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    new_value = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    args = (query, keys, values, jnp.int32(1), jnp.asarray(tables), valid, self_valid, new_key, new_value)
+    got = jax.jit(paged_decode_attention, static_argnums=9)(*args, head_dim**-0.5)
+    # The reference: each row's pages copied out end to end, then contiguous attention.
+    gathered = np.stack([np.concatenate([np.asarray(keys[1, p]) for p in row], axis=1) for row in tables])
+    gathered_values = np.stack([np.concatenate([np.asarray(values[1, p]) for p in row], axis=1) for row in tables])
+    np.testing.assert_array_equal(np.asarray(gather_pages(keys, jnp.int32(1), jnp.asarray(tables))), gathered)
+    want = _attention_reference(
+        query, jnp.asarray(gathered)[None], jnp.asarray(gathered_values)[None], jnp.int32(0), valid, self_valid,
+        new_key, new_value, scale=head_dim**-0.5,
+    )
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(_paged_attention_reference(*args, scale=head_dim**-0.5), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_pages_writes_each_token_to_its_slot_and_skips_padding(dtype):
+    rng = np.random.default_rng(3)
+    layers, pages, kv_heads, page_size, head_dim = 2, 6, 2, 4, 8
+    pool = jnp.asarray(rng.standard_normal((layers, pages, kv_heads, page_size, head_dim)), dtype)
+    update = jnp.asarray(rng.standard_normal((layers, 2, kv_heads, 3, head_dim)), dtype)
+    slots = np.array([[13, 14, 15], [2, 3, -1]], np.int32)  # row 0 ends a page, row 1 has padding
+    want = np.asarray(pool).copy()
+    for b in range(2):
+        for t in range(3):
+            if slots[b, t] >= 0:
+                want[:, slots[b, t] // page_size, :, slots[b, t] % page_size] = np.asarray(update)[:, b, :, t]
+    np.testing.assert_array_equal(np.asarray(jax.jit(write_pages)(pool, update, slots)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(_write_pages_reference)(pool, update, slots)), want)
+    with pytest.raises(Exception, match="outside the page pool"):
+        jax.block_until_ready(jax.jit(write_pages)(pool, update, np.array([[24, 0, 1], [2, 3, -1]], np.int32)))
 
 
 def test_model_without_kernels_gives_the_same_tokens_and_logits(tmp_path):

@@ -9,10 +9,11 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `stacked_matvecs(x, stacks, layer)`: `x @ stack[layer].T` for a few rows of `x`
   and one or more stacks (`stacked_matvec` for one).
 - `decode_attention(...)`: one new token per row attending to a layer of the
-  KV cache and to its own key/value.
+  KV cache and to its own key/value; `paged_decode_attention(...)` the same over
+  a pool of pages reached through per-row block tables.
 - `write_slots(buffer, update, start)`: the cache write of a step, in place for
   every dtype (XLA:CPU widens a bfloat16 update to float32 and rewrites the
-  whole buffer).
+  whole buffer); `write_pages(pool, update, slots)` for a paged pool.
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
@@ -45,6 +46,8 @@ HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "paral
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
 WRITE_TARGET = "eqx_models_write_slots"
+PAGED_ATTENTION_TARGET = "eqx_models_paged_decode_attention"
+WRITE_PAGES_TARGET = "eqx_models_write_pages"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -95,6 +98,10 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(library.EqxStackedMatvec), platform="cpu")
     jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxDecodeAttention), platform="cpu")
     jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.EqxWriteSlots), platform="cpu")
+    jax.ffi.register_ffi_target(
+        PAGED_ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxPagedDecodeAttention), platform="cpu"
+    )
+    jax.ffi.register_ffi_target(WRITE_PAGES_TARGET, jax.ffi.pycapsule(library.EqxWritePages), platform="cpu")
     return None
 
 
@@ -220,6 +227,87 @@ def decode_attention(
         functools.partial(_attention_reference, scale=scale),
         query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value,
     )
+
+
+def gather_pages(
+    pool: Shaped[Array, "layers pages kv_heads page_size head_dim"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "batch pages_per_row"],
+) -> Shaped[Array, "batch kv_heads kv_seq head_dim"]:
+    """One layer's pages of each row, laid end to end: slot `s` of row `b` is
+    `pool[layer, block_tables[b, s // page_size], :, s % page_size]`."""
+    pages = pool[layer, block_tables]  # one gather: the layer is never copied whole
+    batch, per_row, kv_heads, page_size, head_dim = pages.shape
+    return pages.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, per_row * page_size, head_dim)
+
+
+def _paged_attention_reference(
+    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, scale
+):
+    keys = gather_pages(key_pool, layer, block_tables)[None]
+    values = gather_pages(value_pool, layer, block_tables)[None]
+    return _attention_reference(query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, scale)
+
+
+def _paged_attention_kernel(
+    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, scale
+):
+    call = jax.ffi.ffi_call(
+        PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(query.shape, jnp.float32), vmap_method="sequential"
+    )
+    return call(
+        query, key_pool, value_pool, layer.astype(jnp.int32).reshape(()), block_tables.astype(jnp.int32), valid,
+        self_valid, new_key, new_value, scale=np.float32(scale),
+    )
+
+
+def paged_decode_attention(
+    query: Float[Array, "batch kv_heads groups head_dim"],
+    key_pool: Float[Array, "layers pages kv_heads page_size head_dim"],
+    value_pool: Float[Array, "layers pages kv_heads page_size head_dim"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "batch pages_per_row"],
+    valid: Bool[Array, "batch kv_seq"],
+    self_valid: Bool[Array, " batch"],
+    new_key: Float[Array, "batch kv_heads head_dim"],
+    new_value: Float[Array, "batch kv_heads head_dim"],
+    scale: float,
+) -> Float[Array, "batch kv_heads groups head_dim"]:
+    """`decode_attention` over a paged pool: row `b`'s slot `s` (of
+    `kv_seq = pages_per_row * page_size`) is in page `block_tables[b, s // page_size]`.
+    The pages are read in place; every table entry must name a page of the pool."""
+    return _dispatch(
+        functools.partial(_paged_attention_kernel, scale=scale),
+        functools.partial(_paged_attention_reference, scale=scale),
+        query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value,
+    )
+
+
+def _write_pages_reference(pool: Array, update: Array, slots: Array) -> Array:
+    bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
+    page_size = pool.shape[3]
+    # -1 (padding) becomes a page past the end, which the scatter drops.
+    pages = jnp.where(slots < 0, pool.shape[1], slots // page_size)
+    written = bits(pool).at[:, pages, :, slots % page_size].set(bits(update).transpose(1, 3, 0, 2, 4), mode="drop")
+    return jax.lax.bitcast_convert_type(written, pool.dtype) if pool.dtype.itemsize == 2 else written
+
+
+def _write_pages_kernel(pool: Array, update: Array, slots: Array) -> Array:
+    call = jax.ffi.ffi_call(
+        WRITE_PAGES_TARGET, jax.ShapeDtypeStruct(pool.shape, pool.dtype), input_output_aliases={0: 0},
+        vmap_method="sequential",
+    )
+    return call(pool, update, slots.astype(jnp.int32))
+
+
+def write_pages(
+    pool: Shaped[Array, "layers pages kv_heads page_size head_dim"],
+    update: Shaped[Array, "layers batch kv_heads new head_dim"],
+    slots: Int[Array, "batch new"],
+) -> Shaped[Array, "layers pages kv_heads page_size head_dim"]:
+    """`pool` with token `t` of row `b` written at slot `slots[b, t]` (page * page_size
+    + offset) of every layer; -1 writes nothing. In place when the pool is donated."""
+    return _dispatch(_write_pages_kernel, _write_pages_reference, pool, update.astype(pool.dtype), slots)
 
 
 def _write_reference(buffer: Array, update: Array, start: Array, wrap: bool) -> Array:

@@ -1,16 +1,19 @@
-// Single-token decode attention over one layer of a stacked KV cache, as an XLA
-// FFI custom call.
+// Single-token decode attention over one layer of a stacked KV cache, as XLA FFI
+// custom calls.
 //
 // For every batch row b and key/value head h, the G query heads of the group
 // attend to the cached keys/values of layer `layer` (slots where `valid[b, s]`),
-// and to this step's own key/value. The cache operands are the whole stacks
-// `[layers, batch, kv_heads, kv_seq, head_dim]`, read in place: XLA:CPU copies a
-// layer's slice out of the stack before its own `dot`s. Softmax and accumulation
-// are float32; the cache may be float32 or bfloat16.
+// and to this step's own key/value. The cache operands are whole stacks, read in
+// place: XLA:CPU copies a layer's slice out of the stack before its own `dot`s.
+// Two layouts: contiguous `[layers, batch, kv_heads, kv_seq, head_dim]`, and
+// paged `[layers, pages, kv_heads, page_size, head_dim]` where row b's slot s
+// lives in page `block_tables[b, s / page_size]`. Softmax and accumulation are
+// float32; the cache may be float32 or bfloat16.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "bfloat16.h"
@@ -38,16 +41,24 @@ inline float dot(const float* a, const T* b, int64_t n) {
 
 struct Problem {
   const float* q;      // [B, H, G, D]
-  const void* keys;    // this layer: [B, H, S, D]
-  const void* values;  // this layer: [B, H, S, D]
+  const void* keys;    // this layer: [B, H, S, D], or [pages, H, P, D] when paged
+  const void* values;  // this layer: same layout as keys
+  const int32_t* block_tables;  // [B, S / P] when paged, else null
   const bool* valid;   // [B, S]
   const bool* self_valid;  // [B]
   const float* k_new;  // [B, H, D]
   const float* v_new;  // [B, H, D]
   float* out;          // [B, H, G, D]
-  int64_t B, H, G, S, D;
+  int64_t B, H, G, S, D, P;
   float scale;
   bool bf16;
+
+  // Element offset of row b, head h, slot s from the start of this layer.
+  int64_t slot_offset(int64_t b, int64_t h, int64_t s) const {
+    if (block_tables == nullptr) return ((b * H + h) * S + s) * D;
+    const int64_t page = block_tables[b * (S / P) + s / P];
+    return ((page * H + h) * P + s % P) * D;
+  }
 };
 
 // One (batch row, kv head): scores for all slots, softmax, weighted sum of values.
@@ -55,8 +66,8 @@ struct Problem {
 template <typename T>
 __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
   const int64_t S = p.S, D = p.D, G = p.G;
-  const T* keys = static_cast<const T*>(p.keys) + (b * p.H + h) * S * D;
-  const T* values = static_cast<const T*>(p.values) + (b * p.H + h) * S * D;
+  const T* keys = static_cast<const T*>(p.keys);
+  const T* values = static_cast<const T*>(p.values);
   const bool* valid = p.valid + b * S;
   const float* q = p.q + (b * p.H + h) * G * D;
   const float* k_new = p.k_new + (b * p.H + h) * D;
@@ -77,7 +88,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (!allowed) continue;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      const float score = p.scale * (s < S ? dot(qg, keys + s * D, D) : dot(qg, k_new, D));
+      const float score = p.scale * (s < S ? dot(qg, keys + p.slot_offset(b, h, s), D) : dot(qg, k_new, D));
       scores[g * (S + 1) + s] = score;
       row_max[g] = std::max(row_max[g], score);
     }
@@ -97,7 +108,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
       if (weight == 0.0f) continue;
       float* og = out + g * D;
       if (s < S) {
-        const T* v = values + s * D;
+        const T* v = values + p.slot_offset(b, h, s);
         for (int64_t d = 0; d < D; ++d) og[d] += weight * to_float(v[d]);
       } else {
         for (int64_t d = 0; d < D; ++d) og[d] += weight * v_new[d];
@@ -119,45 +130,79 @@ CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<floa
   attend_one<uint16_t>(p, b, h, scores);
 }
 
+void run(const Problem& problem) {
+  eqx_models::parallel_for(problem.B * problem.H, [&](int64_t task) {
+    thread_local std::vector<float> scores;
+    if (problem.bf16)
+      attend_bf16(problem, task / problem.H, task % problem.H, scores);
+    else
+      attend_f32(problem, task / problem.H, task % problem.H, scores);
+  });
+}
+
+// Checks what both layouts share; returns the layer's byte offset in `layer_offset`.
+ffi::Error check(const char* name, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& keys, ffi::AnyBuffer& values,
+                 ffi::Buffer<ffi::S32>& layer, int64_t B, int64_t* layer_offset) {
+  auto q_dims = q.dimensions();
+  auto c_dims = keys.dimensions();
+  if (q_dims.size() != 4 || c_dims.size() != 5)
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": want q [batch, kv_heads, groups, head_dim] and 5-d caches");
+  const bool bf16 = keys.element_type() == ffi::DataType::BF16;
+  if (keys.element_type() != values.element_type() || (!bf16 && keys.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(std::string(name) + ": caches must both be float32 or bfloat16");
+  if (q_dims[0] != B || q_dims[1] != c_dims[2] || q_dims[3] != c_dims[4])
+    return ffi::Error::InvalidArgument(std::string(name) + ": query and cache shapes disagree");
+  const int64_t index = layer.typed_data()[0];
+  if (index < 0 || index >= c_dims[0])
+    return ffi::Error::InvalidArgument(std::string(name) + ": layer index out of range");
+  *layer_offset = index * (c_dims[1] * c_dims[2] * c_dims[3] * c_dims[4]) * (bf16 ? 2 : 4);
+  return ffi::Error::Success();
+}
+
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, float scale,
                            ffi::ResultBuffer<ffi::F32> out) {
-  auto q_dims = q.dimensions();
   auto c_dims = keys.dimensions();
-  if (q_dims.size() != 4 || c_dims.size() != 5)
-    return ffi::Error::InvalidArgument(
-        "decode_attention: want q [batch, kv_heads, groups, head_dim] and caches "
-        "[layers, batch, kv_heads, kv_seq, head_dim]");
-  const bool bf16 = keys.element_type() == ffi::DataType::BF16;
-  if (keys.element_type() != values.element_type() || (!bf16 && keys.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("decode_attention: caches must both be float32 or bfloat16");
-  const int64_t layers = c_dims[0], B = c_dims[1], H = c_dims[2], S = c_dims[3], D = c_dims[4];
-  if (q_dims[0] != B || q_dims[1] != H || q_dims[3] != D)
-    return ffi::Error::InvalidArgument("decode_attention: query and cache shapes disagree");
-  const int64_t index = layer.typed_data()[0];
-  if (index < 0 || index >= layers)
-    return ffi::Error::InvalidArgument("decode_attention: layer index out of range");
+  int64_t offset = 0;
+  const int64_t B = c_dims.size() == 5 ? c_dims[1] : 0;
+  if (auto error = check("decode_attention", q, keys, values, layer, B, &offset); error.failure()) return error;
+  const int64_t S = c_dims[3];
+  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + offset,
+              static_cast<const char*>(values.untyped_data()) + offset, nullptr, valid.typed_data(),
+              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), out->typed_data(), B,
+              c_dims[2], q.dimensions()[2], S, c_dims[4], S, scale,
+              keys.element_type() == ffi::DataType::BF16});
+  return ffi::Error::Success();
+}
 
-  const int64_t bytes = bf16 ? 2 : 4;
-  const int64_t layer_offset = index * B * H * S * D * bytes;
-  const Problem problem{q.typed_data(),
-                        static_cast<const char*>(keys.untyped_data()) + layer_offset,
-                        static_cast<const char*>(values.untyped_data()) + layer_offset,
-                        valid.typed_data(),
-                        self_valid.typed_data(),
-                        k_new.typed_data(),
-                        v_new.typed_data(),
-                        out->typed_data(),
-                        B, H, q_dims[2], S, D, scale, bf16};
-  eqx_models::parallel_for(B * H, [&](int64_t task) {
-    thread_local std::vector<float> scores;
-    if (bf16)
-      attend_bf16(problem, task / H, task % H, scores);
-    else
-      attend_f32(problem, task / H, task % H, scores);
-  });
+ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
+                                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
+                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, float scale,
+                                ffi::ResultBuffer<ffi::F32> out) {
+  auto c_dims = keys.dimensions();
+  auto t_dims = block_tables.dimensions();
+  if (t_dims.size() != 2)
+    return ffi::Error::InvalidArgument("paged_decode_attention: want block_tables [batch, pages_per_row]");
+  const int64_t B = t_dims[0];
+  int64_t offset = 0;
+  if (auto error = check("paged_decode_attention", q, keys, values, layer, B, &offset); error.failure())
+    return error;
+  const int64_t pages = c_dims[1], P = c_dims[3], S = t_dims[1] * P;
+  const int32_t* table = block_tables.typed_data();
+  for (int64_t i = 0; i < B * t_dims[1]; ++i)
+    if (table[i] < 0 || table[i] >= pages)
+      return ffi::Error::InvalidArgument("paged_decode_attention: a block table entry is not a page of the pool");
+  if (valid.dimensions().size() != 2 || valid.dimensions()[1] != S)
+    return ffi::Error::InvalidArgument("paged_decode_attention: valid must be [batch, pages_per_row * page_size]");
+  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + offset,
+              static_cast<const char*>(values.untyped_data()) + offset, table, valid.typed_data(),
+              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), out->typed_data(), B,
+              c_dims[2], q.dimensions()[2], S, c_dims[4], P, scale,
+              keys.element_type() == ffi::DataType::BF16});
   return ffi::Error::Success();
 }
 
@@ -168,6 +213,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxPagedDecodeAttention, PagedDecodeAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()

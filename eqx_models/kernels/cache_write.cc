@@ -5,6 +5,10 @@
 // (a ring buffer, for sliding-window layers) slots past the end continue at slot 0.
 // The result aliases `buffer`. XLA:CPU widens a bfloat16 `dynamic-update-slice` to float32
 // and so rewrites the whole cache every step; this copies only the new bytes.
+//
+// `write_pages` is the same for a paged pool [layers, pages, kv_heads, page_size,
+// head_dim]: token t of row b goes to slot `slots[b, t]` (page * page_size + offset),
+// or nowhere where that is -1 (padding).
 
 #include <cstdint>
 #include <cstring>
@@ -42,6 +46,40 @@ ffi::Error WriteSlots(ffi::AnyBuffer buffer, ffi::AnyBuffer update, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+ffi::Error WritePages(ffi::AnyBuffer buffer, ffi::AnyBuffer update, ffi::Buffer<ffi::S32> slots,
+                      ffi::Result<ffi::AnyBuffer> out) {
+  auto b_dims = buffer.dimensions();
+  auto u_dims = update.dimensions();
+  auto s_dims = slots.dimensions();
+  if (b_dims.size() != 5 || u_dims.size() != 5 || buffer.element_type() != update.element_type())
+    return ffi::Error::InvalidArgument("write_pages: want two 5-d arrays of one dtype");
+  if (b_dims[0] != u_dims[0] || b_dims[2] != u_dims[2] || b_dims[4] != u_dims[4] || s_dims.size() != 2 ||
+      s_dims[0] != u_dims[1] || s_dims[1] != u_dims[3])
+    return ffi::Error::InvalidArgument("write_pages: shapes disagree");
+  const int64_t layers = b_dims[0], pages = b_dims[1], heads = b_dims[2], page_size = b_dims[3];
+  const int64_t rows = u_dims[1], count = u_dims[3];
+  const int64_t item = static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
+  const int64_t width = b_dims[4] * item;  // bytes per slot and head
+  const int32_t* slot = slots.typed_data();
+  for (int64_t i = 0; i < rows * count; ++i)
+    if (slot[i] < -1 || slot[i] >= pages * page_size)
+      return ffi::Error::InvalidArgument("write_pages: a slot is outside the page pool");
+  char* dst = static_cast<char*>(out->untyped_data());
+  const char* src = static_cast<const char*>(update.untyped_data());
+  if (dst != buffer.untyped_data()) std::memcpy(dst, buffer.untyped_data(), buffer.size_bytes());
+  for (int64_t l = 0; l < layers; ++l)
+    for (int64_t b = 0; b < rows; ++b)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t t = 0; t < count; ++t) {
+          const int64_t target = slot[b * count + t];
+          if (target < 0) continue;
+          const int64_t page = target / page_size, offset = target % page_size;
+          std::memcpy(dst + (((l * pages + page) * heads + h) * page_size + offset) * width,
+                      src + (((l * rows + b) * heads + h) * count + t) * width, width);
+        }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxWriteSlots, WriteSlots,
@@ -51,3 +89,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxWriteSlots, WriteSlots,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("wrap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxWritePages, WritePages,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

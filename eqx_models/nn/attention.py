@@ -5,8 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from ..kernels import decode_attention, kernels_available
-from .linear import LayerSlice, Linear, project_together
+from ..kernels import kernels_available
+from .linear import Linear, project_together
 from .norm import RMSNorm
 from .rope import apply_rotary
 
@@ -65,15 +65,9 @@ def masked_softmax_attention(
     )
 
 
-def use_decode_kernel(seq: int, cached: tuple | None) -> bool:
-    """Whether attention goes through `eqx_models.kernels.decode_attention`."""
-    return (
-        seq == 1
-        and cached is not None
-        and isinstance(cached[0], LayerSlice)
-        and cached[0].stack.dtype in (jnp.float32, jnp.bfloat16)
-        and kernels_available()
-    )
+def use_decode_kernel(seq: int, cached) -> bool:
+    """Whether attention goes through the cache's decode kernel (`attend_token`)."""
+    return seq == 1 and cached is not None and cached.dtype in (jnp.float32, jnp.bfloat16) and kernels_available()
 
 
 class Attention(eqx.Module):
@@ -128,7 +122,7 @@ class Attention(eqx.Module):
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
         new_allowed: Bool[Array, "batch seq seq"],
-        cached: tuple[LayerSlice, LayerSlice] | None = None,
+        cached=None,
         cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
     ) -> tuple[
         Float[Array, "batch seq hidden"],
@@ -136,10 +130,11 @@ class Attention(eqx.Module):
     ]:
         """Attends the new tokens to the cached ones and to each other.
 
-        `cached` is this layer's keys and values, each a `LayerSlice` of the cache's
-        `[layers, batch, kv_heads, kv_seq, head_dim]` stack. Returns the output and
-        this step's keys/values (already rotated), which the caller writes into the
-        cache.
+        `cached` is this layer's view of the cache (`KVCache.layer(i)`, or the same
+        from another cache kind): `materialize()` gives `[batch, kv_heads, kv_seq,
+        head_dim]` keys and values, and `attend_token` the decode kernel that reads
+        them in place. Returns the output and this step's keys/values (already
+        rotated), which the caller writes into the cache.
         """
         batch, seq, _ = x.shape
         q, k, v = project_together(x, [self.q_proj, self.k_proj, self.v_proj])
@@ -155,12 +150,9 @@ class Attention(eqx.Module):
         if use_decode_kernel(seq, cached):
             # One token per row against the cache read in place. The new key/value
             # are rounded to the cache dtype first, as the cache will hold them.
-            as_cached = lambda a: a[:, :, 0].astype(cached[0].stack.dtype).astype(jnp.float32)
-            out = decode_attention(
+            as_cached = lambda a: a[:, :, 0].astype(cached.dtype).astype(jnp.float32)
+            out = cached.attend_token(
                 q.reshape(batch, self.num_kv_heads, groups, self.head_dim).astype(jnp.float32),
-                cached[0].stack,
-                cached[1].stack,
-                cached[0].index,
                 cached_allowed[:, 0],
                 new_allowed[:, 0, 0],
                 as_cached(k),
@@ -171,8 +163,9 @@ class Attention(eqx.Module):
             q = q.reshape(batch, self.num_kv_heads, groups, seq, self.head_dim)
             keys, values, allowed = [k], [v], [new_allowed]
             if cached is not None:
-                keys.insert(0, cached[0].materialize())
-                values.insert(0, cached[1].materialize())
+                cached_keys, cached_values = cached.materialize()
+                keys.insert(0, cached_keys)
+                values.insert(0, cached_values)
                 allowed.insert(0, cached_allowed)
             out = masked_softmax_attention(q, keys, values, allowed, self.scale)
         out = out.reshape(batch, self.num_heads, seq, self.head_dim).transpose(0, 2, 1, 3)

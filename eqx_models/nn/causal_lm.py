@@ -9,6 +9,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..cache import KVCache
+from ..paged_cache import PagedKVCache
 from ..config import DecoderConfig
 from .decoder import Decoder
 from .linear import Linear
@@ -39,18 +40,19 @@ class CausalLM(eqx.Module):
     def __call__(
         self,
         input_ids: Int[Array | np.ndarray, "batch seq"],
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         attention_mask: Int[Array | np.ndarray, "batch seq"] | None = None,
         *,
         logits_to_keep: int | None = None,
-    ) -> tuple[Float[Array, "batch _ vocab"], KVCache | None]:
+    ) -> tuple[Float[Array, "batch _ vocab"], KVCache | PagedKVCache | None]:
         """Next-token logits for every position, and the updated cache.
 
         Args:
             input_ids: token ids `[batch, seq]` (a jax or numpy array).
-            cache: a `KVCache` from `init_cache` (or a previous call), or None for a
-                plain forward pass. Prefill, chunked prefill and decode are all this
-                one call with a longer or shorter `input_ids`.
+            cache: a `KVCache` from `init_cache` (or a previous call), a
+                `PagedKVCache` (the serving engine's), or None for a plain forward
+                pass. Prefill, chunked prefill and decode are all this one call
+                with a longer or shorter `input_ids`.
             attention_mask: `[batch, seq]`, 1 for real tokens and 0 for padding
                 (left padding for a ragged batch). Defaults to all ones.
             logits_to_keep: if given, only the last this-many positions get logits

@@ -6,9 +6,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..cache import KVCache
+from ..paged_cache import PagedKVCache
 from ..config import DecoderConfig
 from .attention import Attention
-from .linear import Embedding, LayerSlice, layer_view
+from .linear import Embedding, layer_view
 from .mlp import GatedMLP
 from .moe import MixedMLP, SparseMoeBlock, dense_mlp, sparse_mlp
 from .norm import RMSNorm
@@ -60,7 +61,7 @@ class DecoderLayer(eqx.Module):
         cos: Float[Array, "batch seq head_dim"],
         sin: Float[Array, "batch seq head_dim"],
         new_allowed: Bool[Array, "batch seq seq"],
-        cached: tuple[LayerSlice, LayerSlice] | None = None,
+        cached=None,
         cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
     ) -> tuple[
         Float[Array, "batch seq hidden"],
@@ -143,10 +144,10 @@ class Decoder(eqx.Module):
         self,
         input_ids: Int[Array, "batch seq"],
         attention_mask: Int[Array, "batch seq"],
-        cache: KVCache | None = None,
+        cache: KVCache | PagedKVCache | None = None,
         *,
         new_cache_length: int | None = None,
-    ) -> tuple[Float[Array, "batch seq hidden"], KVCache | None]:
+    ) -> tuple[Float[Array, "batch seq hidden"], KVCache | PagedKVCache | None]:
         """Runs the stack; returns the final hidden states and the updated cache.
 
         With `cache=None` and `new_cache_length`, the tokens attend only to each
@@ -159,10 +160,9 @@ class Decoder(eqx.Module):
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         if cache is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-            cached_kv, cached_allowed = None, None
+            cached_allowed = None
         else:
             positions = cache.new_positions(attention_mask)
-            cached_kv = (cache.keys, cache.values)
             cached_allowed = jnp.broadcast_to(
                 cache.valid[:, None, :], (cache.batch_size, seq, cache.max_length)
             )
@@ -180,9 +180,9 @@ class Decoder(eqx.Module):
 
         def run_layer(h, index):
             # Weights and cache enter the loop whole; each layer refers to its slice
-            # by index (see `LayerSlice`) rather than receiving a copy.
+            # by index (see `LayerSlice`, `LayerKV`) rather than receiving a copy.
             layer = layer_view(self.layers, index)
-            layer_kv = None if cached_kv is None else tuple(LayerSlice(a, index) for a in cached_kv)
+            layer_kv = None if cache is None else cache.layer(index)
             if all_sliding:
                 inputs = local
             elif not any_sliding:

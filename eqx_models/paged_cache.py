@@ -1,0 +1,149 @@
+"""A paged KV cache: one pool of fixed-size pages shared by many sequences.
+
+The serving engine keeps the pool for its whole life and hands the model, per
+step, the block table of each row it runs (which pages hold that row's tokens, in
+order) and how many tokens each row already has. Rows can grow, finish and be
+replaced between steps without moving any cached key or value.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+from .kernels import gather_pages, paged_decode_attention, write_pages
+
+
+class PagedLayerKV(eqx.Module):
+    """One layer of a `PagedKVCache`: the pool stacks, the layer index and the tables.
+
+    The same methods as `LayerKV`: `materialize()` gathers each row's pages end to
+    end (`[batch, kv_heads, pages_per_row * page_size, head_dim]`), `attend_token`
+    reads them in place.
+    """
+
+    keys: Float[Array, "layers pages kv_heads page_size head_dim"]
+    values: Float[Array, "layers pages kv_heads page_size head_dim"]
+    block_tables: Int[Array, "batch pages_per_row"]
+    index: Int[Array, ""]
+
+    @property
+    def dtype(self):
+        return self.keys.dtype
+
+    def materialize(
+        self,
+    ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]]:
+        """Each row's keys and values of this layer, slot `s` = the row's token `s`."""
+        return (
+            gather_pages(self.keys, self.index, self.block_tables),
+            gather_pages(self.values, self.index, self.block_tables),
+        )
+
+    def attend_token(
+        self,
+        query: Float[Array, "batch kv_heads groups head_dim"],
+        valid: Bool[Array, "batch kv_seq"],
+        self_valid: Bool[Array, " batch"],
+        new_key: Float[Array, "batch kv_heads head_dim"],
+        new_value: Float[Array, "batch kv_heads head_dim"],
+        scale: float,
+    ) -> Float[Array, "batch kv_heads groups head_dim"]:
+        """One new token per row against this layer's pages (`kernels.paged_decode_attention`)."""
+        return paged_decode_attention(
+            query, self.keys, self.values, self.index, self.block_tables, valid, self_valid, new_key, new_value, scale
+        )
+
+
+class PagedKVCache(eqx.Module):
+    """Keys and values in a pool of pages, with a block table per row.
+
+    Row `b`'s token at position `p` lives in page `block_tables[b, p // page_size]`
+    at offset `p % page_size`. A step appends each row's real tokens (attention
+    mask 1; a chunk may be right-padded) after the row's `positions[b]` cached
+    tokens; padding writes nothing. The caller (the engine's scheduler) owns the
+    pages: it gives every row enough pages for the tokens it appends, and never the
+    same page to two rows. Table entries past a row's tokens may name any page
+    (they are never read unmasked), so unused rows can point at page 0.
+
+    `model(ids, cache=cache)` takes it wherever it takes a `KVCache`.
+
+    Attributes:
+        keys: `[layers, pages, kv_heads, page_size, head_dim]`, already rotated.
+        values: `[layers, pages, kv_heads, page_size, head_dim]`.
+        block_tables: `[batch, pages_per_row]` page ids.
+        positions: `[batch]`, tokens already cached per row.
+    """
+
+    keys: Float[Array, "layers pages kv_heads page_size head_dim"]
+    values: Float[Array, "layers pages kv_heads page_size head_dim"]
+    block_tables: Int[Array, "batch pages_per_row"]
+    positions: Int[Array, " batch"]
+
+    @staticmethod
+    def empty_pool(
+        num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype=jnp.float32
+    ) -> tuple[Array, Array]:
+        """Zeroed `(keys, values)` pools of `num_pages` pages."""
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+
+    @property
+    def page_size(self) -> int:
+        return self.keys.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self.block_tables.shape[0]
+
+    @property
+    def max_length(self) -> int:
+        """Slots each row can reach through its block table."""
+        return self.block_tables.shape[1] * self.page_size
+
+    @property
+    def slot_positions(self) -> Int[Array, "batch kv_seq"]:
+        """Position held by each slot of a row's gathered pages, or -1 past its tokens."""
+        slots = jnp.arange(self.max_length, dtype=jnp.int32)[None]
+        return jnp.where(slots < self.positions[:, None], slots, -1)
+
+    @property
+    def valid(self) -> Bool[Array, "batch kv_seq"]:
+        return self.slot_positions >= 0
+
+    def layer(self, index: Int[Array, ""]) -> PagedLayerKV:
+        """Layer `index`, read in place by the decode kernel."""
+        return PagedLayerKV(self.keys, self.values, self.block_tables, index)
+
+    def new_positions(self, attention_mask: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
+        """Positions of the tokens about to be appended (right padding repeats the last)."""
+        return self.positions[:, None] + jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
+
+    def append(
+        self,
+        new_keys: Float[Array, "layers batch kv_heads seq head_dim"],
+        new_values: Float[Array, "layers batch kv_heads seq head_dim"],
+        attention_mask: Int[Array, "batch seq"],
+    ) -> "PagedKVCache":
+        """Writes each row's real new tokens into its pages (in place when donated)."""
+        real = attention_mask.astype(bool)
+        positions = self.new_positions(attention_mask)
+        checked = eqx.error_if(
+            positions,
+            real & (positions >= self.max_length),
+            "PagedKVCache overflow: a row's tokens run past the pages of its block table. "
+            "Give the row more pages (block_tables wider) before appending.",
+        )
+        page_index = jnp.minimum(checked // self.page_size, self.block_tables.shape[1] - 1)
+        page = jnp.take_along_axis(self.block_tables, page_index, axis=1)
+        slots = jnp.where(real, page * self.page_size + checked % self.page_size, -1)
+        return PagedKVCache(
+            keys=write_pages(self.keys, new_keys, slots),
+            values=write_pages(self.values, new_values, slots),
+            block_tables=self.block_tables,
+            positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
+        )
