@@ -61,6 +61,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import jax.numpy as jnp
+
+    try:
+        from .serving.server import Server, run
+    except ImportError as error:  # starlette / uvicorn are the `serve` extra
+        raise ValueError(f"serving needs the 'serve' extra: pip install 'eqx_models[serve]' ({error})") from None
+    from .hub import from_pretrained
+    from .serving import Engine
+    from .tokenizer import load_tokenizer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision)
+    tokenizer = load_tokenizer(args.tokenizer or args.model, revision=None if args.tokenizer else args.revision)
+    engine = Engine(
+        model,
+        tokenizer,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        page_size=args.page_size,
+        num_pages=args.num_pages,
+        kv_cache_memory=args.kv_cache_memory,
+        seed=args.seed,
+    )
+    server = Server(engine, tokenizer, args.served_model_name or args.model, api_key=args.api_key)
+    run(server, args.host, args.port)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
     parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
@@ -83,6 +115,25 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
     gen.set_defaults(run=_generate)
+
+    serve = commands.add_parser("serve", help="Serve the OpenAI completions and chat API over HTTP.")
+    serve.add_argument("model", help="Hugging Face hub id or a local folder.")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="Name clients use (default: MODEL).")
+    serve.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id (default: MODEL).")
+    serve.add_argument("--max-model-len", type=int, default=None, help="Most tokens per sequence (default: the model's).")
+    serve.add_argument("--max-num-seqs", type=int, default=32, help="Most sequences decoding at once.")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=512, help="Most tokens computed per step.")
+    serve.add_argument("--page-size", type=int, default=16, help="Tokens per KV cache page.")
+    pool = serve.add_mutually_exclusive_group()
+    pool.add_argument("--num-pages", type=int, default=None, help="KV cache pages in the pool.")
+    pool.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (instead of --num-pages).")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--seed", type=int, default=0, help="Seeds requests that bring no seed.")
+    serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
+    serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
+    serve.set_defaults(run=_serve)
     return parser
 
 

@@ -1,0 +1,599 @@
+"""The serving engine: continuous batching over a paged KV cache.
+
+Each `step()` admits waiting requests while pages and the token budget allow,
+runs prompt chunks (one call per chunk), then one decode call for every sequence
+that has its prompt cached. Sequences join and leave between steps; when pages
+run out a running sequence is preempted (its pages freed, its tokens recomputed
+later). Shapes are bucketed (powers of two for the chunk length, the batch and the
+block-table width), so the number of compilations is bounded whatever the traffic.
+"""
+
+import collections
+import dataclasses
+import itertools
+import logging
+import math
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..nn.causal_lm import CausalLM
+from ..paged_cache import PagedKVCache
+from ..tokenizer import StreamDecoder, Tokenizer
+from .pages import PageAllocator
+from .sampling import SamplingParams, sample_rows, token_logprobs
+
+logger = logging.getLogger("eqx_models.serving")
+
+MIN_CHUNK_BUCKET = 16
+# Prompt tokens the detokeniser keeps as context before the output (enough for a
+# SentencePiece leading space or a character split across tokens).
+DETOKENIZE_CONTEXT = 8
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+
+
+def _bucket(n: int, smallest: int = 1) -> int:
+    return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass
+class TokenLogprobs:
+    """The chosen token's log-probability and the most likely alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclasses.dataclass
+class SequenceUpdate:
+    """What a step produced for one request: new tokens and the text they completed.
+
+    `text` is new text only (it never ends inside a multi-byte character or
+    inside a possible stop string); `finish_reason` is None while running, then
+    "stop", "length" or "abort".
+    """
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprobs]
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclasses.dataclass(eq=False)  # compared and hashed by identity
+class _Sequence:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    on_update: Callable[[SequenceUpdate], None] | None
+    prompt_logprobs: bool
+    decoder: StreamDecoder
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    pages: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # tokens whose keys/values are in `pages`
+    text: str = ""  # all output text so far (stop strings cut off)
+    sent: int = 0  # characters of `text` already handed out
+    pending_ids: list[int] = dataclasses.field(default_factory=list)
+    pending_logprobs: list[TokenLogprobs] = dataclasses.field(default_factory=list)
+    prompt_entries: list[TokenLogprobs | None] | None = None
+    prompt_entries_sent: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def uncached(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) - self.cached
+
+
+@dataclasses.dataclass
+class CompletionOutput:
+    """The whole result of one request from `Engine.generate`."""
+
+    request_id: str
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprobs]
+    prompt_logprobs: list[TokenLogprobs | None] | None
+
+
+class Engine:
+    """Runs many requests at once through one model with a shared paged KV cache.
+
+    Args:
+        model: a `CausalLM`.
+        tokenizer: its `Tokenizer` (for stop strings, EOS and the text of outputs).
+        max_model_len: most tokens (prompt + output) of one sequence; defaults to
+            the model's `max_position_embeddings`.
+        max_num_seqs: most sequences running at once (the decode batch).
+        max_num_batched_tokens: most tokens one step computes (prompt chunks plus
+            one per decoding sequence); longer prompts are prefilled in chunks.
+        page_size: tokens per KV page.
+        num_pages: pages in the pool; or give `kv_cache_memory` (bytes) instead.
+            Default: a pool of `DEFAULT_KV_CACHE_BYTES`, or less if that is more
+            than `max_num_seqs` full-length sequences need.
+        seed: seeds the requests that do not bring their own.
+    """
+
+    def __init__(
+        self,
+        model: CausalLM,
+        tokenizer: Tokenizer,
+        *,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        kv_cache_memory: int | None = None,
+        seed: int = 0,
+    ):
+        config = model.config
+        limit = config.max_position_embeddings
+        self.max_model_len = max_model_len or limit
+        if not 0 < self.max_model_len <= limit:
+            raise ValueError(
+                f"max_model_len must be between 1 and the model's max_position_embeddings ({limit}), "
+                f"got {max_model_len}."
+            )
+        for name, value in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                            ("page_size", page_size)):
+            if value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value}.")
+        if max_num_batched_tokens < max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be at least max_num_seqs "
+                f"({max_num_seqs}): every running sequence decodes one token per step."
+            )
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.page_size = page_size
+        self.pages_per_seq = math.ceil(self.max_model_len / page_size)
+        page_bytes = (
+            2 * config.num_hidden_layers * config.num_key_value_heads * page_size * config.head_dim
+            * jnp.dtype(model.dtype).itemsize
+        )
+        if num_pages is not None and kv_cache_memory is not None:
+            raise ValueError("Give num_pages or kv_cache_memory, not both.")
+        if num_pages is None:
+            if kv_cache_memory is None:
+                kv_cache_memory = min(DEFAULT_KV_CACHE_BYTES, max_num_seqs * self.pages_per_seq * page_bytes)
+            num_pages = int(kv_cache_memory // page_bytes)
+            if num_pages < 1:
+                raise ValueError(
+                    f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each); give more."
+                )
+        self.allocator = PageAllocator(num_pages)
+        self.pools = PagedKVCache.empty_pool(
+            config.num_hidden_layers, num_pages, config.num_key_value_heads, page_size, config.head_dim, model.dtype
+        )
+        eos = tokenizer.eos_token_ids or config.eos_token_id
+        self.eos_token_ids = frozenset(int(i) for i in eos)
+        self.waiting: collections.deque[_Sequence] = collections.deque()
+        self.running: list[_Sequence] = []
+        self.trace_counts: collections.Counter = collections.Counter()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._backlog: list = []  # taken from the inbox while idle, handled first
+        self._rng = np.random.default_rng(seed)
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+        params, static = eqx.partition(model, eqx.is_array)
+        self._params = params
+        self._forward = jax.jit(
+            self._make_forward(static), donate_argnums=1, static_argnames=("filters", "logprobs", "all_logits")
+        )
+        logger.info(
+            "KV cache: %d pages of %d tokens (%.1f MB), %d tokens in all; max_model_len %d, max_num_seqs %d",
+            num_pages, page_size, num_pages * page_bytes / 1e6, num_pages * page_size, self.max_model_len,
+            max_num_seqs,
+        )
+
+    # ----------------------------------------------------------------- requests
+
+    def add_request(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        on_update: Callable[[SequenceUpdate], None] | None = None,
+        prompt_logprobs: bool = False,
+    ) -> str:
+        """Queues a request; returns its id. Thread-safe.
+
+        `on_update` is called (from the thread running `step`) with each
+        `SequenceUpdate`. Raises ValueError for a request that can never run: an
+        empty prompt, a token outside the vocabulary, or more tokens than
+        `max_model_len` or the whole page pool holds.
+        """
+        sequence = self._new_sequence(prompt_ids, params, request_id, on_update, prompt_logprobs)
+        self._inbox.put(("add", sequence))
+        return sequence.id
+
+    def _new_sequence(self, prompt_ids, params, request_id, on_update, prompt_logprobs) -> _Sequence:
+        """Checks a request and makes its sequence (raises ValueError if it can never run)."""
+        prompt_ids = [int(i) for i in prompt_ids]
+        if not prompt_ids:
+            raise ValueError("The prompt is empty: give at least one token.")
+        vocab = self.model.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"Prompt token ids must be in [0, {vocab}); got {min(prompt_ids)}..{max(prompt_ids)}.")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{total} tokens ({len(prompt_ids)} in the prompt, {params.max_tokens} for the completion). "
+                "Reduce the prompt or max_tokens."
+            )
+        if math.ceil(total / self.page_size) > self.allocator.num_pages:
+            raise ValueError(
+                f"The request needs {math.ceil(total / self.page_size)} KV pages but the pool has only "
+                f"{self.allocator.num_pages}; start the engine with more pages (--num-pages / --kv-cache-memory)."
+            )
+        seed = int(self._rng.integers(0, 2**31)) if params.seed is None else params.seed & 0x7FFFFFFF
+        decoder = StreamDecoder(self.tokenizer, prompt_ids[-DETOKENIZE_CONTEXT:])
+        request_id = request_id or f"req-{next(self._ids)}"
+        return _Sequence(request_id, prompt_ids, params, seed, on_update, prompt_logprobs, decoder)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its pages at the next step. Thread-safe."""
+        self._inbox.put(("abort", request_id))
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or not self._inbox.empty())
+
+    def stats(self) -> dict[str, int]:
+        """Free and total KV pages, running and waiting sequences."""
+        return {
+            "kv_pages_free": self.allocator.free,
+            "kv_pages_total": self.allocator.num_pages,
+            "num_requests_running": len(self.running),
+            "num_requests_waiting": len(self.waiting),
+        }
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[CompletionOutput]:
+        """Runs `prompts` (token id lists) to completion, all batched together.
+
+        `params` is one `SamplingParams` for all or one per prompt. Not to be used
+        while the background loop (`start`) runs.
+        """
+        if self._thread is not None:
+            raise RuntimeError("Engine.generate cannot run while the background loop runs; use add_request.")
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        results: dict[str, CompletionOutput] = {}
+
+        def collect(update: SequenceUpdate, prompt: list[int]):
+            out = results.setdefault(
+                update.request_id, CompletionOutput(update.request_id, prompt, [], "", "", None, [], None)
+            )
+            out.token_ids += update.token_ids
+            out.text += update.text
+            out.logprobs += update.logprobs
+            if update.prompt_logprobs is not None:
+                out.prompt_logprobs = update.prompt_logprobs
+            if update.finish_reason is not None:
+                out.finish_reason, out.stop_reason = update.finish_reason, update.stop_reason
+
+        sequences = [
+            self._new_sequence(prompt, p, None, lambda u, prompt=list(prompt): collect(u, prompt), False)
+            for prompt, p in zip(prompts, params)
+        ]
+        for sequence in sequences:  # all checked before any is queued
+            self._inbox.put(("add", sequence))
+        ids = [sequence.id for sequence in sequences]
+        while any(results.get(i) is None or not results[i].finish_reason for i in ids):
+            self.step()
+        return [results[i] for i in ids]
+
+    # --------------------------------------------------------- background loop
+
+    def start(self) -> None:
+        """Runs `step` in a background thread whenever there is work."""
+        if self._thread is not None:
+            return
+        self._stopping.clear()
+        self._thread = threading.Thread(target=self._loop, name="eqx-models-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stops the background loop (running requests stay where they are)."""
+        if self._thread is None:
+            return
+        self._stopping.set()
+        self._inbox.put(("wake", None))
+        self._thread.join()
+        self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            if not (self.waiting or self.running):
+                self._backlog.append(self._inbox.get())  # sleep until something arrives
+            try:
+                self.step()
+            except Exception:  # keep serving: fail the requests of this step, not the server
+                logger.exception("engine step failed; aborting the running requests")
+                for sequence in list(self.running) + list(self.waiting):
+                    self._finish(sequence, "abort")
+                    self._emit(sequence)
+                self.running.clear()
+                self.waiting.clear()
+
+    # ------------------------------------------------------------------- steps
+
+    def step(self) -> list[SequenceUpdate]:
+        """One scheduling round: admit, prefill chunks, decode. Returns the updates."""
+        updates: list[SequenceUpdate] = []
+        self._drain_inbox(updates)
+        decode_rows = self._reserve_decode_pages()
+        budget = self.max_num_batched_tokens - len(decode_rows)
+        chunks = self._schedule_prefill(budget, decode_rows)
+        if not decode_rows and not chunks and self.running:
+            # Nothing fits: every running sequence waits for pages another holds.
+            self._preempt(self.running[-1])
+            return updates
+        touched: list[_Sequence] = []
+        for sequence, length in chunks:
+            self._run_prefill(sequence, length)
+            touched.append(sequence)
+        decode_rows = [s for s in decode_rows if s in self.running]
+        if decode_rows:
+            self._run_decode(decode_rows)
+            touched += decode_rows
+        for sequence in dict.fromkeys(touched):
+            update = self._emit(sequence)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _drain_inbox(self, updates: list[SequenceUpdate]) -> None:
+        while True:
+            if self._backlog:
+                kind, item = self._backlog.pop(0)
+            else:
+                try:
+                    kind, item = self._inbox.get_nowait()
+                except queue.Empty:
+                    return
+            if kind == "add":
+                self.waiting.append(item)
+            elif kind == "abort":
+                for sequence in [s for s in itertools.chain(self.running, self.waiting) if s.id == item]:
+                    self._finish(sequence, "abort")
+                    update = self._emit(sequence)
+                    if update is not None:
+                        updates.append(update)
+
+    def _pages_for(self, sequence: _Sequence, tokens: int) -> bool:
+        """Gives `sequence` pages for its first `tokens` tokens; False if the pool is short."""
+        missing = math.ceil(tokens / self.page_size) - len(sequence.pages)
+        if missing <= 0:
+            return True
+        pages = self.allocator.allocate(missing)
+        if pages is None:
+            return False
+        sequence.pages += pages
+        return True
+
+    def _reserve_decode_pages(self) -> list[_Sequence]:
+        rows = []
+        for sequence in list(self.running):
+            if sequence not in self.running or sequence.uncached != 1:
+                continue
+            while not self._pages_for(sequence, sequence.cached + 1):
+                victim = self.running[-1]  # the latest admitted gives way
+                self._preempt(victim)
+                if victim is sequence:
+                    break
+            if sequence in self.running:
+                rows.append(sequence)
+        return [s for s in rows if s in self.running]
+
+    def _schedule_prefill(self, budget: int, decode_rows: list[_Sequence]) -> list[tuple[_Sequence, int]]:
+        chunks = []
+        candidates = [s for s in self.running if s.uncached > 1]
+        while budget > 0:
+            if candidates:
+                sequence = candidates.pop(0)
+            elif self.waiting and len(self.running) < self.max_num_seqs:
+                sequence = self.waiting[0]
+            else:
+                break
+            length = min(sequence.uncached, budget)
+            # A newcomer leaves a page per running sequence free, so that admitting
+            # it does not at once preempt others that need their next page.
+            spare = 0 if sequence in self.running else len(self.running)
+            available = (len(sequence.pages) + self.allocator.free - spare) * self.page_size - sequence.cached
+            length = min(length, available)
+            if length <= 0:
+                break
+            self._pages_for(sequence, sequence.cached + length)
+            if sequence not in self.running:
+                self.waiting.popleft()
+                self.running.append(sequence)
+            chunks.append((sequence, length))
+            budget -= length
+        return chunks
+
+    def _preempt(self, sequence: _Sequence) -> None:
+        """Frees a running sequence's pages; it waits (first in line) to be recomputed."""
+        logger.info("preempting %s (%d tokens) to free %d pages", sequence.id, len(sequence.tokens), len(sequence.pages))
+        self.allocator.release(sequence.pages)
+        sequence.pages, sequence.cached = [], 0
+        self.running.remove(sequence)
+        self.waiting.appendleft(sequence)
+
+    def _finish(self, sequence: _Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        sequence.finish_reason, sequence.stop_reason = reason, stop_reason
+        self.allocator.release(sequence.pages)
+        sequence.pages = []
+        if sequence in self.running:
+            self.running.remove(sequence)
+        if sequence in self.waiting:
+            self.waiting.remove(sequence)
+
+    # -------------------------------------------------------------- model calls
+
+    def _make_forward(self, static):
+        counts = self.trace_counts
+
+        def forward(params, pools, batch, *, filters: bool, logprobs: bool, all_logits: bool):
+            counts["prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
+            model = eqx.combine(params, static)
+            cache = PagedKVCache(pools[0], pools[1], batch["tables"], batch["positions"])
+            logits, cache = model(batch["ids"], cache, batch["mask"], logits_to_keep=None if all_logits else 1)
+            last = logits[:, -1]
+            tokens = sample_rows(
+                last, batch["seeds"], batch["counters"], batch["temperature"], batch["top_k"], batch["top_p"],
+                filters=filters,
+            )
+            out = {"tokens": tokens}
+            if logprobs:
+                out["logprob"], out["top_ids"], out["top_logprobs"] = token_logprobs(last, tokens)
+            if all_logits:
+                out["prompt"] = token_logprobs(logits, batch["targets"])
+            return (cache.keys, cache.values), out
+
+        return forward
+
+    def _inputs(self, rows: list[_Sequence], batch: int, width: int, lengths: list[int]) -> dict[str, np.ndarray]:
+        """Host arrays of one call: row i computes the `lengths[i]` tokens after its cache."""
+        seq = max(MIN_CHUNK_BUCKET, _bucket(max(lengths))) if max(lengths) > 1 else 1
+        ids = np.zeros((batch, seq), np.int32)
+        mask = np.zeros((batch, seq), np.int32)
+        targets = np.zeros((batch, seq), np.int32)
+        tables = np.zeros((batch, width), np.int32)
+        positions = np.zeros(batch, np.int32)
+        seeds, counters = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
+        temperature, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
+        top_k = np.zeros(batch, np.int32)
+        for i, (sequence, length) in enumerate(zip(rows, lengths)):
+            tokens = sequence.tokens
+            new = tokens[sequence.cached : sequence.cached + length]
+            ids[i, seq - length :] = new  # left-padded: the last column is the newest token
+            mask[i, seq - length :] = 1
+            following = tokens[sequence.cached + 1 : sequence.cached + length + 1]
+            targets[i, seq - length : seq - length + len(following)] = following
+            tables[i, : len(sequence.pages)] = sequence.pages[:width]
+            positions[i] = sequence.cached
+            seeds[i], counters[i] = sequence.seed, len(sequence.output_ids)
+            p = sequence.params
+            temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
+        return dict(ids=ids, mask=mask, targets=targets, tables=tables, positions=positions, seeds=seeds,
+                    counters=counters, temperature=temperature, top_k=top_k, top_p=top_p)
+
+    def _call(self, rows, batch, lengths, *, all_logits=False):
+        width = min(self.pages_per_seq, _bucket(max(len(s.pages) for s in rows)))
+        inputs = self._inputs(rows, batch, width, lengths)
+        self.pools, out = self._forward(
+            self._params, self.pools, inputs,
+            filters=any(s.params.filters for s in rows),
+            logprobs=any(s.params.logprobs is not None for s in rows),
+            all_logits=all_logits,
+        )
+        return jax.device_get(out)
+
+    def _run_prefill(self, sequence: _Sequence, length: int) -> None:
+        completes = sequence.cached + length == len(sequence.tokens)
+        want_prompt = sequence.prompt_logprobs and sequence.cached < len(sequence.prompt_ids) - 1
+        out = self._call([sequence], 1, [length], all_logits=want_prompt)
+        if want_prompt:
+            self._record_prompt_logprobs(sequence, out["prompt"], length)
+        sequence.cached += length
+        if completes:
+            self._accept(sequence, out, 0)
+
+    def _run_decode(self, rows: list[_Sequence]) -> None:
+        batch = min(_bucket(len(rows)), _bucket(self.max_num_seqs))
+        out = self._call(rows, batch, [1] * len(rows))
+        for i, sequence in enumerate(rows):
+            sequence.cached += 1
+            self._accept(sequence, out, i)
+
+    def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int) -> None:
+        picked, top_ids, top_values = prompt
+        if sequence.prompt_entries is None:
+            sequence.prompt_entries = [None]  # the first token has nothing before it
+        seq = picked.shape[1]
+        for column in range(seq - length, seq):
+            position = sequence.cached + column - (seq - length)  # predicts the token after it
+            if position + 1 >= len(sequence.prompt_ids) or position + 1 < len(sequence.prompt_entries):
+                continue
+            sequence.prompt_entries.append(
+                TokenLogprobs(
+                    sequence.prompt_ids[position + 1], float(picked[0, column]),
+                    list(zip(top_ids[0, column].tolist(), top_values[0, column].tolist())),
+                )
+            )
+
+    # ---------------------------------------------------------------- outputs
+
+    def _accept(self, sequence: _Sequence, out, row: int) -> None:
+        """Appends a sampled token; decides whether the sequence is done."""
+        token = int(out["tokens"][row])
+        sequence.output_ids.append(token)
+        sequence.pending_ids.append(token)
+        p = sequence.params
+        if p.logprobs is not None:
+            top = list(zip(out["top_ids"][row].tolist(), out["top_logprobs"][row].tolist()))[: p.logprobs]
+            sequence.pending_logprobs.append(TokenLogprobs(token, float(out["logprob"][row]), top))
+        before = len(sequence.text)
+        sequence.text += sequence.decoder.push([token])
+        for stop in p.stop:
+            # Only a stop string that ends in the new text can be new.
+            found = sequence.text.find(stop, max(0, before - len(stop) + 1))
+            if found >= 0:
+                sequence.text = sequence.text[:found]
+                return self._finish(sequence, "stop", stop)
+        if token in self.eos_token_ids and not p.ignore_eos:
+            reason, stop_reason = "stop", None
+        elif token in p.stop_token_ids:
+            reason, stop_reason = "stop", token
+        elif len(sequence.output_ids) >= p.max_tokens or len(sequence.tokens) >= self.max_model_len:
+            reason, stop_reason = "length", None
+        else:
+            return
+        sequence.text += sequence.decoder.flush()  # a character cut short at the end, if any
+        self._finish(sequence, reason, stop_reason)
+
+    def _emit(self, sequence: _Sequence) -> SequenceUpdate | None:
+        """Hands out what is new for a sequence (nothing when nothing is)."""
+        finished = sequence.finish_reason is not None
+        hold = 0 if finished else max((len(s) for s in sequence.params.stop), default=1) - 1
+        released = len(sequence.text) - hold
+        text = sequence.text[sequence.sent : released] if released > sequence.sent else ""
+        if not (text or sequence.pending_ids or finished):
+            return None
+        prompt_entries = None
+        if sequence.prompt_logprobs and sequence.output_ids and not sequence.prompt_entries_sent:
+            prompt_entries, sequence.prompt_entries_sent = sequence.prompt_entries or [None], True
+        update = SequenceUpdate(
+            sequence.id, sequence.pending_ids, text, sequence.pending_logprobs, sequence.finish_reason,
+            sequence.stop_reason, len(sequence.prompt_ids), len(sequence.output_ids),
+            prompt_entries,
+        )
+        sequence.sent = max(sequence.sent, released)
+        sequence.pending_ids, sequence.pending_logprobs = [], []
+        if sequence.on_update is not None:
+            sequence.on_update(update)
+        return update

@@ -1,0 +1,203 @@
+"""Checking OpenAI-style request bodies, and the error bodies sent back.
+
+Every problem becomes an `APIError` carrying the HTTP status and the field at
+fault, rendered as `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+import dataclasses
+from typing import Any
+
+from .sampling import MAX_LOGPROBS, SamplingParams
+
+
+class APIError(Exception):
+    """A request the server refuses; `body()` is the JSON error it answers with."""
+
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
+
+    def __init__(self, message: str, *, status: int = 400, param: str | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param = message, status, param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.TYPES.get(self.status, "BadRequestError"),
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    # bool is an int in Python, but `"max_tokens": true` is not a number.
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        raise APIError(f"'{name}' must be {what}, got {value!r}.", param=name)
+    return value
+
+
+def _int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value)
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """The parts of a completions or chat request the engine needs."""
+
+    model: str | None
+    prompts: list[str | list[int]]  # text, or token ids
+    sampling: list[SamplingParams]  # one per choice (`n` per prompt)
+    n: int
+    stream: bool
+    echo: bool
+    include_usage: bool
+    max_tokens_given: bool
+
+
+def parse_sampling(body: dict, *, default_max_tokens: int | None) -> tuple[dict[str, Any], bool]:
+    """Sampling fields of a request, checked; and whether max_tokens was given."""
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    given = max_tokens is not None
+    if given:
+        max_tokens = _field({"max_tokens": max_tokens}, "max_tokens", (int,), None, "a positive integer")
+        if max_tokens <= 0:
+            raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}.", param="max_tokens")
+    temperature = _field(body, "temperature", (int, float), 1.0, "a number")
+    if temperature < 0:
+        raise APIError(f"'temperature' must be non-negative, got {temperature}.", param="temperature")
+    top_p = _field(body, "top_p", (int, float), 1.0, "a number")
+    if not 0 < top_p <= 1:
+        raise APIError(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p")
+    top_k = _field(body, "top_k", (int,), 0, "an integer")
+    if top_k < -1:
+        raise APIError(f"'top_k' must be -1 (all tokens) or at least 0, got {top_k}.", param="top_k")
+    seed = _field(body, "seed", (int,), None, "an integer")
+    stop = body.get("stop")
+    if stop is None:
+        stop = []
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise APIError(f"'stop' must be a string or a list of non-empty strings, got {stop!r}.", param="stop")
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not _int_list(stop_token_ids):
+        raise APIError("'stop_token_ids' must be a list of integers.", param="stop_token_ids")
+    for penalty in ("presence_penalty", "frequency_penalty"):
+        if _field(body, penalty, (int, float), 0, "a number") != 0:
+            raise APIError(f"'{penalty}' is not supported by this server; leave it at 0.", param=penalty)
+    fields = dict(
+        max_tokens=max_tokens if given else default_max_tokens,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=top_k,
+        seed=seed,
+        stop=tuple(stop),
+        stop_token_ids=tuple(stop_token_ids),
+        ignore_eos=_field(body, "ignore_eos", (bool,), False, "true or false"),
+    )
+    return fields, given
+
+
+def parse_common(body: dict) -> tuple[int, bool, bool]:
+    """`n`, `stream` and `stream_options.include_usage`."""
+    n = _field(body, "n", (int,), 1, "a positive integer")
+    if n < 1:
+        raise APIError(f"'n' must be at least 1, got {n}.", param="n")
+    stream = _field(body, "stream", (bool,), False, "true or false")
+    options = _field(body, "stream_options", (dict,), {}, "an object")
+    include_usage = _field(options, "include_usage", (bool,), False, "true or false")
+    return n, stream, include_usage
+
+
+def _sampling_list(fields: dict[str, Any], n: int, count: int, logprobs: int | None) -> list[SamplingParams]:
+    """`n` settings per prompt; with a seed, each of the `n` choices gets its own stream."""
+    out = []
+    for _ in range(count):
+        for choice in range(n):
+            seed = fields["seed"]
+            if seed is not None and n > 1:
+                seed = seed * 1_000_003 + choice
+            try:
+                out.append(SamplingParams(**{**fields, "seed": seed}, logprobs=logprobs))
+            except ValueError as error:
+                raise APIError(str(error)) from None
+    return out
+
+
+def parse_completion(body: Any) -> GenerationRequest:
+    """A `/v1/completions` body: prompt as text, texts, token ids or lists of them."""
+    if not isinstance(body, dict):
+        raise APIError("The request body must be a JSON object.")
+    if "prompt" not in body or body["prompt"] is None:
+        raise APIError("'prompt' is required.", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif _int_list(prompt) and prompt:
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = list(prompt)
+    elif isinstance(prompt, list) and prompt and all(_int_list(p) and p for p in prompt):
+        prompts = list(prompt)
+    else:
+        raise APIError(
+            "'prompt' must be a string, a list of strings, a list of token ids or a list of such lists "
+            "(none of them empty).",
+            param="prompt",
+        )
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                 or not 0 <= logprobs <= MAX_LOGPROBS):
+        raise APIError(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}.", param="logprobs")
+    fields, given = parse_sampling(body, default_max_tokens=16)
+    n, stream, include_usage = parse_common(body)
+    return GenerationRequest(
+        model=_field(body, "model", (str,), None, "a string"),
+        prompts=prompts,
+        sampling=_sampling_list(fields, n, len(prompts), logprobs),
+        n=n,
+        stream=stream,
+        echo=_field(body, "echo", (bool,), False, "true or false"),
+        include_usage=include_usage,
+        max_tokens_given=given,
+    )
+
+
+def parse_chat(body: Any) -> tuple[GenerationRequest, list[dict[str, Any]]]:
+    """A `/v1/chat/completions` body; returns the request (prompt still to render) and the messages."""
+    if not isinstance(body, dict):
+        raise APIError("The request body must be a JSON object.")
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and messages and all(isinstance(m, dict) and "role" in m for m in messages)):
+        raise APIError("'messages' must be a non-empty list of {\"role\", \"content\"} objects.", param="messages")
+    for message in messages:
+        if not isinstance(message.get("content", ""), (str, type(None))):
+            raise APIError("Only text message 'content' (a string) is supported.", param="messages")
+    if body.get("logprobs"):
+        raise APIError("'logprobs' is not supported for chat completions by this server.", param="logprobs")
+    fields, given = parse_sampling(body, default_max_tokens=None)
+    n, stream, include_usage = parse_common(body)
+    request = GenerationRequest(
+        model=_field(body, "model", (str,), None, "a string"),
+        prompts=[],
+        sampling=[],
+        n=n,
+        stream=stream,
+        echo=False,
+        include_usage=include_usage,
+        max_tokens_given=given,
+    )
+    request.sampling = [fields]  # completed once the prompt length is known
+    return request, messages
+
+
+def chat_sampling(request: GenerationRequest, prompt_length: int, max_model_len: int) -> None:
+    """Fills in a chat request's settings; without max_tokens it may use the rest of the context."""
+    fields = dict(request.sampling[0])
+    if fields["max_tokens"] is None:
+        fields["max_tokens"] = max(1, max_model_len - prompt_length)
+    request.sampling = _sampling_list(fields, request.n, 1, None)
