@@ -35,8 +35,8 @@ class SamplingParams:
     """
 
     max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | int = 1.0
+    top_p: float | int = 1.0
     top_k: int = 0
     seed: int | None = None
     stop: tuple[str, ...] = ()

@@ -60,17 +60,27 @@ def _error(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
-def _logprobs_block(tokenizer: Tokenizer, entries: list[TokenLogprobs | None], offset: int) -> dict:
-    """OpenAI's completions `logprobs` object for some tokens, text offsets from `offset`."""
-    piece = lambda token_id: tokenizer.decode([token_id], skip_special_tokens=False)
+def _piece(tokenizer: Tokenizer, context: list[int], token_id: int) -> str:
+    """The text `token_id` adds after `context` (a token alone can lose its leading
+    space, as SentencePiece drops it at the start of a text)."""
+    before = tokenizer.decode(context, skip_special_tokens=False)
+    after = tokenizer.decode(context + [token_id], skip_special_tokens=False)
+    return after[len(before):] if after.startswith(before) else tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprobs_block(tokenizer: Tokenizer, entries: list[TokenLogprobs], offset: int, context: list[int]) -> dict:
+    """OpenAI's completions `logprobs` object for tokens that follow `context`, text
+    offsets counted from `offset`."""
+    context = context[-4:]
     block = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for entry in entries:
-        text = piece(entry.token_id)
+        text = _piece(tokenizer, context, entry.token_id)
         block["tokens"].append(text)
         block["token_logprobs"].append(entry.logprob)
-        block["top_logprobs"].append({piece(t): lp for t, lp in entry.top})
+        block["top_logprobs"].append({_piece(tokenizer, context, t): lp for t, lp in entry.top})
         block["text_offset"].append(offset)
         offset += len(text)
+        context = context[-3:] + [entry.token_id]
     return block
 
 
@@ -155,7 +165,7 @@ class Server:
             logprobs = None
             if parsed.sampling[index].logprobs is not None:
                 prefix = self.tokenizer.decode(prompt_ids) if parsed.echo else ""
-                logprobs = _logprobs_block(self.tokenizer, entries, len(prefix))
+                logprobs = _logprobs_block(self.tokenizer, entries, len(prefix), prompt_ids)
                 if parsed.echo:
                     prompt_block = self._prompt_logprobs(prompt_ids, result["prompt_logprobs"])
                     logprobs = {key: prompt_block[key] + logprobs[key] for key in logprobs}
@@ -168,8 +178,8 @@ class Server:
 
     def _prompt_logprobs(self, prompt_ids: list[int], entries) -> dict:
         """The echoed prompt's part of `logprobs`: the first token has none."""
-        block = _logprobs_block(self.tokenizer, [e for e in entries[1:]], 0)
         first = self.tokenizer.decode([prompt_ids[0]], skip_special_tokens=False)
+        block = _logprobs_block(self.tokenizer, entries[1:], 0, prompt_ids[:1])
         offsets, offset = [0], len(first)
         for token in block["tokens"]:
             offsets.append(offset)
@@ -224,6 +234,7 @@ class Server:
         async def events() -> AsyncIterator[str]:
             counts = [0] * len(submitted.prompt_ids)
             offsets = [0] * len(submitted.prompt_ids)
+            generated: list[list[int]] = [[] for _ in submitted.prompt_ids]
             try:
                 for index, prompt_ids in enumerate(submitted.prompt_ids):
                     if chat:
@@ -238,7 +249,7 @@ class Server:
                 while submitted.open:
                     index, update = await submitted.next()
                     counts[index] = update.num_output_tokens
-                    if not (update.text or update.finish_reason):
+                    if not (update.text or update.finish_reason or update.logprobs):
                         continue
                     if chat:
                         choice = {"index": index, "delta": {"content": update.text} if update.text else {},
@@ -246,7 +257,9 @@ class Server:
                     else:
                         logprobs = None
                         if parsed.sampling[index].logprobs is not None:
-                            logprobs = _logprobs_block(self.tokenizer, update.logprobs, offsets[index])
+                            context = submitted.prompt_ids[index] + generated[index]
+                            logprobs = _logprobs_block(self.tokenizer, update.logprobs, offsets[index], context)
+                        generated[index] += update.token_ids
                         offsets[index] += len(update.text)
                         choice = {"index": index, "text": update.text, "logprobs": logprobs,
                                   "finish_reason": update.finish_reason}

@@ -1,0 +1,142 @@
+"""The serving engine without HTTP: batching, paging, preemption, sampling, stops."""
+
+import copy
+
+import numpy as np
+import pytest
+from conftest import STORIES, require_fixture
+
+import eqx_models
+from eqx_models.serving import Engine, SamplingParams
+
+PROMPTS = ["Once upon a time", "The cat", "Lily wanted to play with her friend because", "Tom", "A big dog", "The sun was"]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    path = require_fixture(STORIES)
+    return eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
+
+
+def alone(model, prompt_ids, max_tokens, eos=None):
+    return eqx_models.generate(model, prompt_ids, max_new_tokens=max_tokens, eos_token_id=eos)[0].tolist()
+
+
+def test_batched_greedy_outputs_equal_generate_and_pages_come_back(stories):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=64)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]  # more prompts than max_num_seqs
+    lengths = [5, 30, 12, 1, 20, 9]
+    outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
+    for prompt, n, out in zip(prompts, lengths, outs):
+        assert out.token_ids == alone(model, prompt, n)
+        # The continuation keeps its leading space: the prompt's text plus it is the whole text.
+        assert tokenizer.decode(prompt) + out.text == tokenizer.decode(prompt + out.token_ids)
+        assert out.finish_reason == "length"
+    assert engine.stats() == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
+
+
+def test_a_small_pool_preempts_and_recomputes_without_losing_anything(stories, caplog):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=32, page_size=4, num_pages=14)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    with caplog.at_level("INFO", logger="eqx_models.serving"):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=40, temperature=0))
+    assert any("preempting" in record.message for record in caplog.records)  # the pool really ran out
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == alone(model, prompt, 40)
+    assert engine.stats()["kv_pages_free"] == 14
+
+
+def test_sampled_tokens_depend_on_the_seed_not_on_the_batch(stories):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_num_seqs=8, page_size=4, num_pages=128)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, top_k=40, seed=7)
+    together = engine.generate(prompts, params)
+    by_itself = engine.generate(prompts[2:3], params)
+    assert together[2].token_ids == by_itself[0].token_ids
+    other_seed = engine.generate(prompts[2:3], SamplingParams(max_tokens=24, temperature=0.9, seed=8))
+    assert other_seed[0].token_ids != by_itself[0].token_ids
+
+
+def test_compilations_stop_after_warm_up(stories):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_num_seqs=8, page_size=4, num_pages=128)
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(max_tokens=20, temperature=0)
+    engine.generate(prompts, params)
+    warm = dict(engine.trace_counts)
+    engine.generate(prompts, params)
+    engine.generate(prompts[::-1], params)
+    assert dict(engine.trace_counts) == warm
+
+
+def test_stops_eos_stop_token_and_stop_string(stories):
+    model, tokenizer = stories
+    prompt = tokenizer.encode("Once upon a time")
+    greedy = alone(model, prompt, 40)
+    text = tokenizer.decode(greedy)
+    engine = Engine(model, tokenizer, page_size=4, num_pages=64)
+    # A stop string: the text ends before it; the tokens up to the one completing it count.
+    out = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop=("named",)))[0]
+    assert (out.finish_reason, out.stop_reason, out.text) == ("stop", "named", text[: text.index("named")])
+    # A stop token: generation ends on it.
+    out = engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, stop_token_ids=(greedy[6],)))[0]
+    assert (out.finish_reason, out.stop_reason, out.token_ids) == ("stop", greedy[6], greedy[: greedy.index(greedy[6]) + 1])
+    # EOS (here the "." token): finish_reason "stop" with no stop_reason; ignore_eos runs on.
+    eos_tokenizer = copy.copy(tokenizer)
+    eos_tokenizer.eos_token_ids = (tokenizer.backend.token_to_id("."),)
+    eos_engine = Engine(model, eos_tokenizer, page_size=4, num_pages=64)
+    out = eos_engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0))[0]
+    assert (out.finish_reason, out.stop_reason) == ("stop", None)
+    assert out.token_ids == greedy[: greedy.index(eos_tokenizer.eos_token_ids[0]) + 1]
+    out = eos_engine.generate([prompt], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == greedy and out.finish_reason == "length"
+
+
+def test_logprobs_are_the_models_log_softmax(stories):
+    model, tokenizer = stories
+    prompt = tokenizer.encode("The cat")
+    engine = Engine(model, tokenizer, page_size=4, num_pages=64)
+    out = engine.generate([prompt], SamplingParams(max_tokens=3, temperature=0, logprobs=5))[0]
+    ids = prompt + out.token_ids
+    logits, _ = model(np.asarray(ids, np.int32)[None])
+    expected = np.asarray(logits[0], np.float64)
+    expected = expected - np.log(np.exp(expected - expected.max(-1, keepdims=True)).sum(-1, keepdims=True)) - expected.max(-1, keepdims=True)
+    for step, entry in enumerate(out.logprobs):
+        row = expected[len(prompt) - 1 + step]
+        assert entry.token_id == out.token_ids[step]
+        assert entry.logprob == pytest.approx(row[entry.token_id], abs=1e-4)
+        assert [t for t, _ in entry.top] == list(np.argsort(-row)[:5])
+        assert entry.top[0][1] == pytest.approx(row.max(), abs=1e-4)
+
+
+def test_requests_that_can_never_run_are_refused_with_the_reason(stories):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_model_len=64, page_size=4, num_pages=8)
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        engine.add_request([1] * 60, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="needs 10 KV pages but the pool has only 8"):
+        engine.add_request([1] * 30, SamplingParams(max_tokens=10))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match=r"in \[0, 512\)"):
+        engine.add_request([1, 512], SamplingParams())
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        Engine(model, tokenizer, max_num_seqs=64, max_num_batched_tokens=32)
+
+
+def test_abort_frees_the_pages_at_the_next_step(stories):
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, page_size=4, num_pages=64)
+    request = engine.add_request(tokenizer.encode("Once upon a time"), SamplingParams(max_tokens=100, temperature=0))
+    engine.step()
+    engine.step()
+    assert engine.stats()["kv_pages_free"] < 64
+    engine.abort(request)
+    (update,) = engine.step()
+    assert update.finish_reason == "abort"
+    assert engine.stats() == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
