@@ -8,6 +8,7 @@ from .generation import Sampling, generate, stream_generate
 from .hub import CheckpointError, from_pretrained, save_pretrained
 from .models import supported_model_types
 from .nn.causal_lm import CausalLM
+from .paged_cache import PagedKVCache
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "ConfigError",
     "DecoderConfig",
     "KVCache",
+    "PagedKVCache",
     "Sampling",
     "Tokenizer",
     "from_pretrained",
