@@ -140,3 +140,30 @@ def test_abort_frees_the_pages_at_the_next_step(stories):
     (update,) = engine.step()
     assert update.finish_reason == "abort"
     assert engine.stats() == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
+
+
+def test_sampler_draws_from_the_softmax_and_respects_top_k_and_top_p():
+    import jax.numpy as jnp
+
+    from eqx_models.serving.sampling import sample_rows
+
+    logits = jnp.log(jnp.asarray([0.1, 0.4, 0.05, 0.3, 0.15]))
+    draws = 6000
+    rows = jnp.tile(logits, (draws, 1))
+
+    def frequencies(top_k=0, top_p=1.0, temperature=1.0):
+        tokens = sample_rows(
+            rows, jnp.full(draws, 11, jnp.int32), jnp.arange(draws, dtype=jnp.int32),
+            jnp.full(draws, temperature), jnp.full(draws, top_k, jnp.int32), jnp.full(draws, top_p),
+            sampled=True, filters=top_k > 0 or top_p < 1,
+        )
+        return np.bincount(np.asarray(tokens), minlength=5) / draws
+
+    np.testing.assert_allclose(frequencies(), [0.1, 0.4, 0.05, 0.3, 0.15], atol=0.02)
+    np.testing.assert_allclose(frequencies(top_k=2), [0, 0.4 / 0.7, 0, 0.3 / 0.7, 0], atol=0.02)
+    # top_p 0.75: 0.4 + 0.3 reach 0.7 < 0.75, so 0.15 joins; the rest is cut.
+    np.testing.assert_allclose(frequencies(top_p=0.75), [0, 0.4 / 0.85, 0, 0.3 / 0.85, 0.15 / 0.85], atol=0.02)
+    sharpened = frequencies(temperature=0.25)  # p ** 4, renormalised
+    expected = np.array([0.1, 0.4, 0.05, 0.3, 0.15]) ** 4
+    np.testing.assert_allclose(sharpened, expected / expected.sum(), atol=0.02)
+    assert (frequencies(temperature=0.0) == [0, 1, 0, 0, 0]).all()

@@ -200,7 +200,8 @@ class Engine:
         params, static = eqx.partition(model, eqx.is_array)
         self._params = params
         self._forward = jax.jit(
-            self._make_forward(static), donate_argnums=1, static_argnames=("filters", "logprobs", "all_logits")
+            self._make_forward(static), donate_argnums=1,
+            static_argnames=("sampled", "filters", "logprobs", "all_logits"),
         )
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MB), %d tokens in all; max_model_len %d, max_num_seqs %d",
@@ -352,10 +353,8 @@ class Engine:
             # Nothing fits: every running sequence waits for pages another holds.
             self._preempt(self.running[-1])
             return updates
-        touched: list[_Sequence] = []
-        for sequence, length in chunks:
-            self._run_prefill(sequence, length)
-            touched.append(sequence)
+        touched = [sequence for sequence, _ in chunks]
+        self._run_prefill(chunks)
         decode_rows = [s for s in decode_rows if s in self.running]
         if decode_rows:
             self._run_decode(decode_rows)
@@ -457,7 +456,7 @@ class Engine:
     def _make_forward(self, static):
         counts = self.trace_counts
 
-        def forward(params, pools, batch, *, filters: bool, logprobs: bool, all_logits: bool):
+        def forward(params, pools, batch, *, sampled: bool, filters: bool, logprobs: bool, all_logits: bool):
             counts["prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
             model = eqx.combine(params, static)
             cache = PagedKVCache(pools[0], pools[1], batch["tables"], batch["positions"])
@@ -465,7 +464,7 @@ class Engine:
             last = logits[:, -1]
             tokens = sample_rows(
                 last, batch["seeds"], batch["counters"], batch["temperature"], batch["top_k"], batch["top_p"],
-                filters=filters,
+                sampled=sampled, filters=filters,
             )
             out = {"tokens": tokens}
             if logprobs:
@@ -507,21 +506,31 @@ class Engine:
         inputs = self._inputs(rows, batch, width, lengths)
         self.pools, out = self._forward(
             self._params, self.pools, inputs,
+            sampled=any(s.params.sampled for s in rows),
             filters=any(s.params.filters for s in rows),
             logprobs=any(s.params.logprobs is not None for s in rows),
             all_logits=all_logits,
         )
         return jax.device_get(out)
 
-    def _run_prefill(self, sequence: _Sequence, length: int) -> None:
-        completes = sequence.cached + length == len(sequence.tokens)
-        want_prompt = sequence.prompt_logprobs and sequence.cached < len(sequence.prompt_ids) - 1
-        out = self._call([sequence], 1, [length], all_logits=want_prompt)
-        if want_prompt:
-            self._record_prompt_logprobs(sequence, out["prompt"], length)
-        sequence.cached += length
-        if completes:
-            self._accept(sequence, out, 0)
+    def _run_prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
+        """Runs the chunks, one call per chunk-length bucket (rows of a call share the
+        weight reads; grouping by length keeps the padding small)."""
+        groups: dict[int, list[tuple[_Sequence, int]]] = collections.defaultdict(list)
+        for sequence, length in chunks:
+            groups[_bucket(length, MIN_CHUNK_BUCKET) if length > 1 else 1].append((sequence, length))
+        for group in groups.values():
+            rows = [sequence for sequence, _ in group]
+            lengths = [length for _, length in group]
+            wants = [s.prompt_logprobs and s.cached < len(s.prompt_ids) - 1 for s in rows]
+            out = self._call(rows, _bucket(len(rows)), lengths, all_logits=any(wants))
+            for row, (sequence, length) in enumerate(group):
+                if wants[row]:
+                    self._record_prompt_logprobs(sequence, out["prompt"], length, row)
+                completes = sequence.cached + length == len(sequence.tokens)
+                sequence.cached += length
+                if completes:
+                    self._accept(sequence, out, row)
 
     def _run_decode(self, rows: list[_Sequence]) -> None:
         batch = min(_bucket(len(rows)), _bucket(self.max_num_seqs))
@@ -530,7 +539,7 @@ class Engine:
             sequence.cached += 1
             self._accept(sequence, out, i)
 
-    def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int) -> None:
+    def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int, row: int) -> None:
         picked, top_ids, top_values = prompt
         if sequence.prompt_entries is None:
             sequence.prompt_entries = [None]  # the first token has nothing before it
@@ -541,8 +550,8 @@ class Engine:
                 continue
             sequence.prompt_entries.append(
                 TokenLogprobs(
-                    sequence.prompt_ids[position + 1], float(picked[0, column]),
-                    list(zip(top_ids[0, column].tolist(), top_values[0, column].tolist())),
+                    sequence.prompt_ids[position + 1], float(picked[row, column]),
+                    list(zip(top_ids[row, column].tolist(), top_values[row, column].tolist())),
                 )
             )
 

@@ -57,6 +57,11 @@ class SamplingParams:
             raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}.")
 
     @property
+    def sampled(self) -> bool:
+        """Whether tokens are drawn (not greedy)."""
+        return self.temperature > 0
+
+    @property
     def filters(self) -> bool:
         """Whether top-k or top-p restricts the draw (the sampler then sorts the vocabulary)."""
         return self.temperature > 0 and (self.top_k > 0 or self.top_p < 1)
@@ -70,16 +75,22 @@ def sample_rows(
     top_k: Int[Array, " batch"],
     top_p: Float[Array, " batch"],
     *,
+    sampled: bool,
     filters: bool,
 ) -> Int[Array, " batch"]:
     """One token per row: argmax where `temperature == 0`, else a draw.
 
-    `filters` (static) applies each row's top-k (0: off) and top-p; without it the
-    vocabulary is not sorted at all. The draw of a row depends only on its logits,
-    settings, seed and counter.
+    `sampled` (static) is whether any row draws at all: an all-greedy batch skips
+    the draw. `filters` (static) applies each row's top-k (0: off) and top-p;
+    without it the vocabulary is not sorted. The draw of a row depends only on its
+    logits, settings, seed and counter: one uniform number per row, looked up in
+    the row's cumulative distribution (Gumbel noise over the vocabulary cost
+    170 ms for 32 rows of 151,936 here).
     """
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if not sampled:
+        return greedy
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if filters:
         ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
@@ -90,8 +101,12 @@ def sample_rows(
         keep = in_top_k & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
         threshold = jnp.take_along_axis(ordered, jnp.sum(keep, axis=-1, keepdims=True) - 1, axis=-1)
         scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
+    cumulative = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
     keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.key(seed), counter))(seeds, counters)
-    drawn = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    uniform = jax.vmap(jax.random.uniform)(keys) * cumulative[:, -1]
+    # The first token whose cumulative mass exceeds the draw (never a zero-mass one).
+    drawn = jnp.sum(cumulative <= uniform[:, None], axis=-1).astype(jnp.int32)
+    drawn = jnp.minimum(drawn, jnp.argmax(cumulative, axis=-1).astype(jnp.int32))
     return jnp.where(temperature > 0, drawn, greedy)
 
 
