@@ -61,15 +61,26 @@ def test_sampled_tokens_depend_on_the_seed_not_on_the_batch(stories):
 
 
 def test_compilations_stop_after_warm_up(stories):
+    import jax
+
     model, tokenizer = stories
     engine = Engine(model, tokenizer, max_num_seqs=8, page_size=4, num_pages=128)
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=20, temperature=0)
     engine.generate(prompts, params)
     warm = dict(engine.trace_counts)
-    engine.generate(prompts, params)
-    engine.generate(prompts[::-1], params)
+    # XLA compilations, not only traces: jit also recompiles a traced function when an
+    # argument's placement changes.
+    compiles = []
+    listener = lambda event, duration, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        engine.generate(prompts, params)
+        engine.generate(prompts[::-1], params)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
     assert dict(engine.trace_counts) == warm
+    assert compiles == []
 
 
 def test_stops_eos_stop_token_and_stop_string(stories):

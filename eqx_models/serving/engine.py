@@ -183,9 +183,12 @@ class Engine:
                     f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each); give more."
                 )
         self.allocator = PageAllocator(num_pages)
-        self.pools = PagedKVCache.empty_pool(
+        pools = PagedKVCache.empty_pool(
             config.num_hidden_layers, num_pages, config.num_key_value_heads, page_size, config.head_dim, model.dtype
         )
+        # Committed to a device like the step's outputs that replace them: jit keys
+        # its compiled code on that too, and would otherwise compile every shape twice.
+        self.pools = jax.device_put(pools, jax.devices()[0])
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
         self.waiting: collections.deque[_Sequence] = collections.deque()
