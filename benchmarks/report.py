@@ -125,6 +125,16 @@ def main():
                 f"| {run['num_experts']} | {run['active_expert_bytes_per_token'] / 1e6:.0f} | {ours['decode_ms_per_step']:.1f} | "
                 f"{theirs['decode_ms_per_step']:.1f} | {ours['prefill_tokens_per_s']:.0f} | {theirs['prefill_tokens_per_s']:.0f} |"
             )
+    serve = load("serve")
+    if serve:
+        print("\n| concurrency | output tok/s | vs concurrency 1 | TTFT median s | TTFT max s | per-request tok/s |\n|---|---|---|---|---|---|")
+        for run in serve["rounds"]:
+            print(
+                f"| {run['concurrency']} | {run['output_tokens_per_s']:.1f} | {run['vs_concurrency_1']:.2f}x | "
+                f"{run['ttft_median_s']:.2f} | {run['ttft_max_s']:.2f} | {run['per_request_tokens_per_s']:.2f} |"
+            )
+        alone = serve["transformers_generate_alone"]
+        print(f"\ntransformers generate, the same request alone: {alone['output_tokens_per_s']:.1f} tok/s")
     plot(decode, depth, ROOT / "docs" / "benchmarks.png")
 
 

@@ -178,3 +178,17 @@ def test_sampler_draws_from_the_softmax_and_respects_top_k_and_top_p():
     expected = np.array([0.1, 0.4, 0.05, 0.3, 0.15]) ** 4
     np.testing.assert_allclose(sharpened, expected / expected.sum(), atol=0.02)
     assert (frequencies(temperature=0.0) == [0, 1, 0, 0, 0]).all()
+
+
+@pytest.mark.parametrize("architecture", ["qwen3_moe_mixed", "mistral_window", "gemma3_local_global"])
+def test_every_cache_architecture_serves_what_generate_gives(stories, architecture):
+    from test_cache import ARCHITECTURES, small_model
+
+    _, tokenizer = stories  # any tokenizer covering the tiny vocabulary will do for the text
+    model = small_model(**ARCHITECTURES[architecture])
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 101, n).tolist() for n in (3, 11, 7)]
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=32)
+    outs = engine.generate(prompts, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == eqx_models.generate(model, prompt, max_new_tokens=14, eos_token_id=[])[0].tolist()

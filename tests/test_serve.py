@@ -280,6 +280,13 @@ def test_real_vocabulary_counts_prompt_tokens_and_renders_chat(tmp_path_factory)
                                                      temperature=0, extra_body={"ignore_eos": True})
         assert response.usage.prompt_tokens == 3 and response.usage.completion_tokens == 16
         assert response.model == "Qwen/Qwen3-tiny" and response.id.startswith("cmpl-")
+        # Random weights over the byte-level vocabulary emit many pieces of multi-byte
+        # characters: streamed pieces must still add up to the same text.
+        kwargs = dict(model="Qwen/Qwen3-tiny", prompt="Seattle is a", max_tokens=48, temperature=0,
+                      extra_body={"ignore_eos": True})
+        plain = served.client.completions.create(**kwargs).choices[0].text
+        pieces = [c.choices[0].text for c in served.client.completions.create(**kwargs, stream=True) if c.choices]
+        assert "".join(pieces) == plain
         tokenizer = eqx_models.load_tokenizer(tokenizer_path)
         messages = [{"role": "user", "content": "Hello, 世界"}]
         chat = served.client.chat.completions.create(model="Qwen/Qwen3-tiny", messages=messages, max_tokens=5,
