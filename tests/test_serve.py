@@ -298,3 +298,31 @@ def test_real_vocabulary_counts_prompt_tokens_and_renders_chat(tmp_path_factory)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
     finally:
         assert served.close()
+
+
+def test_a_failing_engine_step_answers_500_and_the_server_recovers(stories):
+    from starlette.testclient import TestClient
+
+    from eqx_models.serving import Engine
+    from eqx_models.serving.server import Server
+
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, page_size=4, num_pages=64)
+    working = engine._forward
+    calls = []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:  # fail after the pools were donated, as a failing device call would
+            working(*args, **kwargs)
+            raise RuntimeError("simulated device failure")
+        return working(*args, **kwargs)
+
+    engine._forward = fails_once
+    body = {"model": "stories", "prompt": "Tom", "max_tokens": 3, "temperature": 0}
+    with TestClient(Server(engine, tokenizer, "stories").app()) as client:
+        failed = client.post("/v1/completions", json=body)
+        assert failed.status_code == 500 and failed.json()["error"]["code"] == 500
+        recovered = client.post("/v1/completions", json=body)
+        assert recovered.status_code == 200 and recovered.json()["usage"]["completion_tokens"] == 3
+    assert engine.stats()["kv_pages_free"] == 64

@@ -183,12 +183,8 @@ class Engine:
                     f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each); give more."
                 )
         self.allocator = PageAllocator(num_pages)
-        pools = PagedKVCache.empty_pool(
-            config.num_hidden_layers, num_pages, config.num_key_value_heads, page_size, config.head_dim, model.dtype
-        )
-        # Committed to a device like the step's outputs that replace them: jit keys
-        # its compiled code on that too, and would otherwise compile every shape twice.
-        self.pools = jax.device_put(pools, jax.devices()[0])
+        pool_shape = (config.num_hidden_layers, num_pages, config.num_key_value_heads, page_size, config.head_dim)
+        self.pools = self._empty_pools(pool_shape, model.dtype)
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
         self.waiting: collections.deque[_Sequence] = collections.deque()
@@ -211,6 +207,13 @@ class Engine:
             num_pages, page_size, num_pages * page_bytes / 1e6, num_pages * page_size, self.max_model_len,
             max_num_seqs,
         )
+
+    @staticmethod
+    def _empty_pools(shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
+        # Committed to a device like the step's outputs that replace them: jit keys
+        # its compiled code on that too, and would otherwise compile every shape twice.
+        pools = PagedKVCache.empty_pool(*shape, dtype=dtype)
+        return jax.device_put(pools, jax.devices()[0])
 
     # ----------------------------------------------------------------- requests
 
@@ -342,6 +345,8 @@ class Engine:
                     self._emit(sequence)
                 self.running.clear()
                 self.waiting.clear()
+                if any(pool.is_deleted() for pool in self.pools):  # donated to the call that failed
+                    self.pools = self._empty_pools(self.pools[0].shape, self.pools[0].dtype)
 
     # ------------------------------------------------------------------- steps
 

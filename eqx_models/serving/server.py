@@ -156,7 +156,10 @@ class Server:
         head = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": self.model_name}
         if parsed.stream:
             return self._stream(request, submitted, parsed, head, chat=False)
-        results = await self._collect(request, submitted)
+        try:
+            results = await self._collect(request, submitted)
+        except APIError as error:
+            return _error(error)
         if results is None:
             return Response(status_code=499)
         choices = []
@@ -223,6 +226,8 @@ class Server:
                 result["prompt_logprobs"] = update.prompt_logprobs
             if update.finish_reason is not None:
                 result["finish_reason"], result["stop_reason"] = update.finish_reason, update.stop_reason
+        if any(r["finish_reason"] == "abort" for r in results):  # the engine failed a step (see its log)
+            raise APIError("The engine failed while running this request; see the server log.", status=500)
         return results
 
     def _stream(self, request: Request, submitted: _Submitted, parsed: GenerationRequest, head: dict, *, chat: bool):
@@ -295,7 +300,10 @@ class Server:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": self.model_name}
         if parsed.stream:
             return self._stream(request, submitted, parsed, head, chat=True)
-        results = await self._collect(request, submitted)
+        try:
+            results = await self._collect(request, submitted)
+        except APIError as error:
+            return _error(error)
         if results is None:
             return Response(status_code=499)
         choices = [
