@@ -7,7 +7,6 @@ replaced between steps without moving any cached key or value.
 """
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 

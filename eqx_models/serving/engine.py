@@ -92,12 +92,17 @@ class _Sequence:
     stop_reason: int | str | None = None
 
     @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
     @property
     def uncached(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids) - self.cached
+        return self.num_tokens - self.cached
+
+    def token_range(self, start: int, stop: int) -> list[int]:
+        """`tokens[start:stop]` without copying the whole sequence (a decode step needs one)."""
+        prompt = len(self.prompt_ids)
+        return self.prompt_ids[start:stop] + self.output_ids[max(start - prompt, 0) : max(stop - prompt, 0)]
 
 
 @dataclasses.dataclass
@@ -356,14 +361,13 @@ class Engine:
         self._drain_inbox(updates)
         decode_rows = self._reserve_decode_pages()
         budget = self.max_num_batched_tokens - len(decode_rows)
-        chunks = self._schedule_prefill(budget, decode_rows)
+        chunks = self._schedule_prefill(budget)
         if not decode_rows and not chunks and self.running:
             # Nothing fits: every running sequence waits for pages another holds.
             self._preempt(self.running[-1])
             return updates
         touched = [sequence for sequence, _ in chunks]
-        self._run_prefill(chunks)
-        decode_rows = [s for s in decode_rows if s in self.running]
+        self._run_prefill(chunks)  # admits and preempts nothing: the decode rows still run
         if decode_rows:
             self._run_decode(decode_rows)
             touched += decode_rows
@@ -416,7 +420,7 @@ class Engine:
                 rows.append(sequence)
         return [s for s in rows if s in self.running]
 
-    def _schedule_prefill(self, budget: int, decode_rows: list[_Sequence]) -> list[tuple[_Sequence, int]]:
+    def _schedule_prefill(self, budget: int) -> list[tuple[_Sequence, int]]:
         chunks = []
         candidates = [s for s in self.running if s.uncached > 1]
         while budget > 0:
@@ -444,7 +448,7 @@ class Engine:
 
     def _preempt(self, sequence: _Sequence) -> None:
         """Frees a running sequence's pages; it waits (first in line) to be recomputed."""
-        logger.info("preempting %s (%d tokens) to free %d pages", sequence.id, len(sequence.tokens), len(sequence.pages))
+        logger.info("preempting %s (%d tokens) to free %d pages", sequence.id, sequence.num_tokens, len(sequence.pages))
         self.allocator.release(sequence.pages)
         sequence.pages, sequence.cached = [], 0
         self.running.remove(sequence)
@@ -495,11 +499,10 @@ class Engine:
         temperature, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
         top_k = np.zeros(batch, np.int32)
         for i, (sequence, length) in enumerate(zip(rows, lengths)):
-            tokens = sequence.tokens
-            new = tokens[sequence.cached : sequence.cached + length]
+            new = sequence.token_range(sequence.cached, sequence.cached + length)
             ids[i, seq - length :] = new  # left-padded: the last column is the newest token
             mask[i, seq - length :] = 1
-            following = tokens[sequence.cached + 1 : sequence.cached + length + 1]
+            following = sequence.token_range(sequence.cached + 1, sequence.cached + length + 1)
             targets[i, seq - length : seq - length + len(following)] = following
             tables[i, : len(sequence.pages)] = sequence.pages[:width]
             positions[i] = sequence.cached
@@ -535,7 +538,7 @@ class Engine:
             for row, (sequence, length) in enumerate(group):
                 if wants[row]:
                     self._record_prompt_logprobs(sequence, out["prompt"], length, row)
-                completes = sequence.cached + length == len(sequence.tokens)
+                completes = sequence.cached + length == sequence.num_tokens
                 sequence.cached += length
                 if completes:
                     self._accept(sequence, out, row)
@@ -586,7 +589,7 @@ class Engine:
             reason, stop_reason = "stop", None
         elif token in p.stop_token_ids:
             reason, stop_reason = "stop", token
-        elif len(sequence.output_ids) >= p.max_tokens or len(sequence.tokens) >= self.max_model_len:
+        elif len(sequence.output_ids) >= p.max_tokens or sequence.num_tokens >= self.max_model_len:
             reason, stop_reason = "length", None
         else:
             return

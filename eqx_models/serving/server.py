@@ -156,12 +156,9 @@ class Server:
         head = {"id": f"cmpl-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": self.model_name}
         if parsed.stream:
             return self._stream(request, submitted, parsed, head, chat=False)
-        try:
-            results = await self._collect(request, submitted)
-        except APIError as error:
-            return _error(error)
-        if results is None:
-            return Response(status_code=499)
+        results = await self._collect(request, submitted)
+        if isinstance(results, Response):
+            return results
         choices = []
         for index, (prompt_ids, result) in enumerate(zip(submitted.prompt_ids, results)):
             text, entries = result["text"], result["logprobs"]
@@ -206,8 +203,9 @@ class Server:
         return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
                 "completion_tokens": completion_tokens}
 
-    async def _collect(self, request: Request, submitted: _Submitted) -> list[dict] | None:
-        """Waits for every choice to finish; None if the client went away first."""
+    async def _collect(self, request: Request, submitted: _Submitted) -> list[dict] | Response:
+        """Waits for every choice to finish; or the response to send instead: 499 if the
+        client went away first, 500 if the engine failed a step."""
         results = [{"text": "", "logprobs": [], "finish_reason": None, "stop_reason": None, "completion_tokens": 0,
                     "prompt_logprobs": None} for _ in submitted.prompt_ids]
         while submitted.open:
@@ -216,7 +214,7 @@ class Server:
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
                     submitted.abort()
-                    return None
+                    return Response(status_code=499)
                 continue
             result = results[index]
             result["text"] += update.text
@@ -227,7 +225,7 @@ class Server:
             if update.finish_reason is not None:
                 result["finish_reason"], result["stop_reason"] = update.finish_reason, update.stop_reason
         if any(r["finish_reason"] == "abort" for r in results):  # the engine failed a step (see its log)
-            raise APIError("The engine failed while running this request; see the server log.", status=500)
+            return _error(APIError("The engine failed while running this request; see the server log.", status=500))
         return results
 
     def _stream(self, request: Request, submitted: _Submitted, parsed: GenerationRequest, head: dict, *, chat: bool):
@@ -300,12 +298,9 @@ class Server:
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": self.model_name}
         if parsed.stream:
             return self._stream(request, submitted, parsed, head, chat=True)
-        try:
-            results = await self._collect(request, submitted)
-        except APIError as error:
-            return _error(error)
-        if results is None:
-            return Response(status_code=499)
+        results = await self._collect(request, submitted)
+        if isinstance(results, Response):
+            return results
         choices = [
             {"index": index, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
              "finish_reason": result["finish_reason"], "stop_reason": result["stop_reason"]}
