@@ -1,10 +1,12 @@
 """`from_pretrained` / `save_pretrained`: Hugging Face checkpoints <-> stacked models."""
 
 import concurrent.futures
+import itertools
 import json
 import math
 import os
 import struct
+from collections.abc import Mapping
 from pathlib import Path
 
 import equinox as eqx
@@ -12,11 +14,13 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.sharding import Mesh
 from safetensors.numpy import save_file
 
 from .config import load_json
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
+from .sharding import ShardingRules, placement_for, shardings
 
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
 TOKENIZER_FILES = [
@@ -150,9 +154,14 @@ class _SafetensorsFile:
                 )
             self.entries[name] = (dtype, shape, begin)
 
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        """Fills `out` (C-contiguous, the tensor's shape, any dtype) with tensor `name`."""
+    def read_into(self, name: str, out: np.ndarray, rows: range | None = None) -> None:
+        """Fills `out` (C-contiguous, any dtype) with tensor `name`, or with its
+        `rows` (a step-1 range along its first axis, which are contiguous bytes)."""
         dtype, shape, begin = self.entries[name]
+        if rows is not None and shape:
+            row_bytes = math.prod(shape[1:]) * dtype.itemsize
+            begin += rows.start * row_bytes
+            shape = (len(rows), *shape[1:])
         buffer = out if out.dtype == dtype else np.empty(shape, dtype)
         view = memoryview(buffer.reshape(-1).view(np.uint8))
         filled = 0
@@ -182,8 +191,21 @@ class _TensorSource:
     def dtype(self, name: str) -> np.dtype:
         return self.location[name].entries[name][0]
 
-    def read_into(self, name: str, out: np.ndarray) -> None:
-        self.location[name].read_into(name, out)
+    def read_into(self, name: str, out: np.ndarray, rows: range | None = None) -> None:
+        self.location[name].read_into(name, out, rows)
+
+    def read_part_into(self, name: str, part: list[range], out: np.ndarray) -> None:
+        """Fills `out` with `tensor[part]` (one step-1 range per axis), reading only
+        the rows of the first axis that the part covers."""
+        shape = self.shape(name)
+        if not shape:
+            return self.read_into(name, out)
+        whole_rows = all(len(r) == size for r, size in zip(part[1:], shape[1:]))
+        if whole_rows:
+            return self.read_into(name, out, part[0])
+        rows = np.empty((len(part[0]), *shape[1:]), out.dtype)
+        self.read_into(name, rows, part[0])
+        out[...] = rows[(slice(None), *(slice(r.start, r.stop) for r in part[1:]))]
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
@@ -245,6 +267,8 @@ def from_pretrained(
     dtype=None,
     revision: str | None = None,
     scan_layers: bool = True,
+    mesh: Mesh | None = None,
+    sharding: "str | ShardingRules | Mapping | None" = None,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint into a stacked `CausalLM`.
 
@@ -255,11 +279,19 @@ def from_pretrained(
             None keeps the checkpoint's.
         revision: hub branch, tag or commit.
         scan_layers: run the layers under `jax.lax.scan` (True) or unrolled (False).
+        mesh: a `jax.sharding.Mesh` with axes named from `data`, `fsdp`, `tensor`,
+            `expert`: each tensor goes straight onto its shards (each device's block
+            read from the files on its own), and the model runs split over the mesh.
+        sharding: with `mesh`, the rules: a preset name (`"default"`, `"dp"`,
+            `"fsdp"`, `"tp"`, `"ep"`), a mapping of logical axes to mesh axes, or
+            `ShardingRules`. None means the default rules for the mesh's axes.
 
     Tensors are read one at a time straight into the final stacked buffers, which
     the CPU backend adopts without a copy, so peak memory stays near the model's size. Missing,
     unexpected and wrongly shaped tensors are all reported, by their HF names.
     """
+    if sharding is not None and mesh is None:
+        raise ValueError("sharding= needs mesh=: pass the jax.sharding.Mesh to lay the model out on.")
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=MODEL_FILES)
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -268,6 +300,7 @@ def from_pretrained(
     arch = architecture_for(hf_config)
     config = arch.config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
+    placement = None if mesh is None else placement_for(config, mesh, sharding)
     source = _TensorSource(_checkpoint_files(folder))
     target_dtype = None if dtype is None else jnp.dtype(dtype)
 
@@ -275,7 +308,8 @@ def from_pretrained(
     plan = []
     problems = []
     consumed = set()
-    for path, leaf in leaves:
+    targets = [None] * len(leaves) if placement is None else jax.tree.leaves(shardings(skeleton, placement))
+    for (path, leaf), target in zip(leaves, targets):
         names, stacked = _hf_names(_leaf_names(path), leaf.shape, arch.tensor_name, skeleton.model.substack_layers())
         expected = leaf.shape[len(stacked):]
         for name in names:
@@ -284,7 +318,7 @@ def from_pretrained(
             elif source.shape(name) != tuple(expected):
                 problems.append(f"tensor {name} has shape {source.shape(name)}, expected {tuple(expected)}")
         consumed.update(names)
-        plan.append((names, stacked))
+        plan.append((names, stacked, target))
     unexpected = sorted(
         n
         for n in set(source.location) - consumed
@@ -302,21 +336,47 @@ def from_pretrained(
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        arrays = list(pool.map(lambda entry: _load_leaf(source, *entry, target_dtype), plan))
-    return jax.tree_util.tree_unflatten(treedef, arrays)
+        arrays = list(pool.map(lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2]), plan))
+    model = jax.tree_util.tree_unflatten(treedef, arrays)
+    return model if placement is None else model.with_placement(placement)
 
 
-def _load_leaf(source: _TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype) -> jax.Array:
-    """Reads one leaf (its per-layer / per-expert tensors stacked) into one final buffer."""
+def _load_leaf(source: _TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype, sharding=None) -> jax.Array:
+    """Reads one leaf (its per-layer / per-expert tensors stacked) into one final
+    buffer, or with a `sharding`, each device's part of it into that device."""
     dtype = source.dtype(names[0])
     if target_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
         dtype = np.dtype(target_dtype)
     shape = source.shape(names[0])
+    if sharding is not None:
+        return _load_sharded_leaf(source, names, stacked, shape, dtype, sharding)
     out = _aligned_empty((*stacked, *shape), dtype)
     parts = out.reshape(-1, *shape)  # a view: C order, as the names come
     for i, name in enumerate(names):
         source.read_into(name, parts[i])
     return _to_jax(out)
+
+
+def _load_sharded_leaf(source, names, stacked, shape, dtype, sharding) -> jax.Array:
+    """Each addressable device's block of the stacked leaf, read from the files
+    (only the layers, experts and rows the block covers; blocks that several
+    devices hold are read once)."""
+    global_shape = (*stacked, *shape)
+    blocks: dict[tuple, np.ndarray] = {}
+
+    def block(index: tuple[slice, ...]) -> np.ndarray:
+        ranges = [range(*s.indices(size)) for s, size in zip(index, global_shape)]
+        key = tuple((r.start, r.stop) for r in ranges)
+        if key not in blocks:
+            out = np.empty([len(r) for r in ranges], dtype)
+            per_tensor = out.reshape(-1, *out.shape[len(stacked):])
+            for i, position in enumerate(itertools.product(*ranges[: len(stacked)])):
+                name = names[int(np.ravel_multi_index(position, stacked))] if stacked else names[0]
+                source.read_part_into(name, ranges[len(stacked):], per_tensor[i])
+            blocks[key] = out
+        return blocks[key]
+
+    return jax.make_array_from_callback(global_shape, sharding, block)
 
 
 def _hf_tensors(model: CausalLM, rename) -> list[tuple[str, jax.Array, tuple[int, ...]]]:

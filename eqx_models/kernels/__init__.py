@@ -41,6 +41,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
+from ..sharding import spans_devices
+
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc", "cache_write.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
@@ -112,8 +114,10 @@ def kernels_status() -> str:
 
 
 def kernels_available() -> bool:
-    """Whether the compiled kernels run on the CPU backend."""
-    return _load() is None
+    """Whether the compiled kernels are used: built for the CPU backend, and the
+    model being traced sits on one device (the kernels are single-device; on a mesh
+    XLA's own operations run and the SPMD partitioner splits them)."""
+    return _load() is None and not spans_devices()
 
 
 def _dispatch(kernel, reference, *args):

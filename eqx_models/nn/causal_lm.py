@@ -10,6 +10,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..cache import KVCache
 from ..paged_cache import PagedKVCache
+from .. import sharding
 from ..config import DecoderConfig
 from .decoder import Decoder
 from .linear import Linear
@@ -26,6 +27,7 @@ class CausalLM(eqx.Module):
     model: Decoder
     lm_head: Linear | None
     config: DecoderConfig = eqx.field(static=True)
+    placement: sharding.Placement | None = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, scan_layers: bool = True):
         k_model, k_head = jax.random.split(key)
@@ -36,6 +38,7 @@ class CausalLM(eqx.Module):
             else Linear(config.hidden_size, config.vocab_size, key=k_head)
         )
         self.config = config
+        self.placement = None
 
     def __call__(
         self,
@@ -84,15 +87,23 @@ class CausalLM(eqx.Module):
         input_ids = jnp.asarray(input_ids)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
-        hidden, cache = self.model(
-            input_ids, jnp.asarray(attention_mask, jnp.int32), cache, new_cache_length=new_cache_length
-        )
-        if logits_to_keep is not None:
-            hidden = hidden[:, -logits_to_keep:]
-        if self.lm_head is None:
-            logits = self.model.embed_tokens.attend(hidden)
-        else:
-            logits = self.lm_head(hidden)
+        attention_mask = jnp.asarray(attention_mask, jnp.int32)
+        placement = self.placement
+        if placement is not None:
+            input_ids = placement.constrain(input_ids, ("batch", None))
+            attention_mask = placement.constrain(attention_mask, ("batch", None))
+        with sharding.active(placement):  # blocks traced below see the mesh
+            hidden, cache = self.model(input_ids, attention_mask, cache, new_cache_length=new_cache_length)
+            if logits_to_keep is not None:
+                hidden = hidden[:, -logits_to_keep:]
+            if self.lm_head is None:
+                logits = self.model.embed_tokens.attend(hidden)
+            else:
+                logits = self.lm_head(hidden)
+        if placement is not None:
+            logits = placement.constrain(logits, ("batch", None, "vocab"))
+            if isinstance(cache, KVCache):
+                cache = sharding.constrain_cache(cache, placement)
         return logits, cache
 
     @property
@@ -110,12 +121,19 @@ class CausalLM(eqx.Module):
         object.__setattr__(decoder, "scan_layers", scan_layers)
         return eqx.tree_at(lambda m: m.model, self, decoder)
 
+    def with_placement(self, placement: "sharding.Placement | None") -> "CausalLM":
+        """The same model, recorded as laid out by `placement` (see `shard_model`,
+        which also moves the weights)."""
+        out = copy.copy(self)
+        object.__setattr__(out, "placement", placement)
+        return out
+
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty `KVCache` for `batch_size` rows of up to `max_length` tokens (with
         sliding-window attention, a ring of at most `sliding_window` slots that takes
-        any number of tokens)."""
+        any number of tokens). On a mesh, created split by batch and KV heads."""
         c = self.config
-        return KVCache.empty(
+        make = lambda: KVCache.empty(
             c.num_hidden_layers,
             batch_size,
             c.num_key_value_heads,
@@ -124,3 +142,7 @@ class CausalLM(eqx.Module):
             dtype or self.dtype,
             self.model.ring_window,
         )
+        if self.placement is None:
+            return make()
+        shape = eqx.filter_eval_shape(make)
+        return jax.jit(make, out_shardings=sharding.shardings(shape, self.placement))()

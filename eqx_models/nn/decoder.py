@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .. import sharding
 from ..cache import KVCache
 from ..paged_cache import PagedKVCache
 from ..config import DecoderConfig
@@ -155,7 +156,7 @@ class Decoder(eqx.Module):
         prefill that does not read an empty cache).
         """
         seq = input_ids.shape[1]
-        x = self.embed_tokens(input_ids)
+        x = sharding.constrain(self.embed_tokens(input_ids), ("batch", None, None))
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)
         if cache is None:
@@ -190,7 +191,8 @@ class Decoder(eqx.Module):
             else:  # local and global layers (Gemma 3): this layer's kind
                 inputs = jax.tree.map(lambda a, b: jnp.where(sliding[index], a, b), local, full)
             (cos, sin), allowed, allowed_cached = inputs
-            return layer(h, cos, sin, allowed, layer_kv, allowed_cached)
+            h, new_kv = layer(h, cos, sin, allowed, layer_kv, allowed_cached)
+            return sharding.constrain(h, ("batch", None, None)), new_kv
 
         indices = jnp.arange(self.num_layers, dtype=jnp.int32)
         if self.scan_layers:

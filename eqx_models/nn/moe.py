@@ -13,13 +13,15 @@ No token is dropped.
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from .. import sharding
 from ..config import DecoderConfig
 from .linear import LayerSlice, Linear, layer_view, project, project_many
+from .mlp import ACTIVATIONS, GatedMLP
 
 MAX_BLOCK_ROWS = 128
-from .mlp import ACTIVATIONS, GatedMLP
 
 
 class Experts(eqx.Module):
@@ -59,12 +61,13 @@ def route(
 
 
 def expert_blocks(
-    experts: Int[Array, " assignments"], num_experts: int, block_rows: int
+    experts: Int[Array, " assignments"], num_experts: int, block_rows: int, *, counted: int | None = None
 ) -> tuple[Int[Array, "blocks block_rows"], Int[Array, " blocks"], Int[Array, ""]]:
     """Groups assignments by expert into blocks of at most `block_rows` rows.
 
     Returns `rows` (assignment ids per block, `len(experts)` marking an empty slot),
-    each block's expert, and how many blocks are used (the rest are empty). The
+    each block's expert, and how many blocks are used (the rest are empty; with
+    `counted`, only the blocks of experts below it count as used). The
     block count is a static bound: at most `min(E, A)` experts have a partly filled
     block, so `ceil((A + min(E, A) * (block_rows - 1)) / block_rows)`.
     """
@@ -80,7 +83,8 @@ def expert_blocks(
     block = (block_end - blocks_per_expert)[sorted_experts] + rank // block_rows
     rows = jnp.full((bound, block_rows), count, jnp.int32).at[block, rank % block_rows].set(order.astype(jnp.int32))
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(bound), side="right"), num_experts - 1)
-    return rows, block_expert.astype(jnp.int32), block_end[-1]
+    used = block_end[-1] if counted is None else block_end[counted - 1]
+    return rows, block_expert.astype(jnp.int32), used
 
 
 class SparseMoeBlock(eqx.Module):
@@ -113,43 +117,104 @@ class SparseMoeBlock(eqx.Module):
         self.hidden_act = hidden_act
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
-        shape = x.shape
-        tokens = x.reshape(-1, shape[-1])
+        tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = route(self.gate(tokens), self.top_k, self.norm_topk_prob)
+        placement = sharding.current()
+        if placement is not None and _splits_experts(placement, self.num_experts):
+            return self._expert_parallel(x, weights, chosen, placement)
+        stacks = tuple(l.weight for l in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))
+        return self._run_experts(tokens, weights, chosen, stacks, self.num_experts).reshape(x.shape)
+
+    def _run_experts(self, tokens, weights, chosen, stacks, num_experts: int, *, local_experts: int | None = None):
+        """Each token's `top_k` experts' outputs, weighted and summed. With
+        `local_experts`, only experts below it run (id `local_experts` marks an
+        assignment that another device computes; its weight must be 0)."""
+        hidden = tokens.shape[-1]
         count = chosen.size
         # Blocks about as tall as an expert's share of the assignments (a power of
         # two): one row per block at decode, where the assignments mostly go to
         # different experts (each block then reads its expert once, in place); for a
         # long prompt, blocks tall enough that XLA's matmul pays for copying the
         # expert's weights out (measured: 64-row blocks prefill 2x faster than 16).
-        share = -(-count // self.num_experts)
+        share = -(-count // (local_experts or num_experts))
         block_rows = min(MAX_BLOCK_ROWS, 1 << (share - 1).bit_length())
-        rows, block_expert, used = expert_blocks(chosen.reshape(-1), self.num_experts, block_rows)
-        padded = jnp.concatenate([tokens, jnp.zeros((1, shape[-1]), tokens.dtype)])
+        rows, block_expert, used = expert_blocks(chosen.reshape(-1), num_experts, block_rows, counted=local_experts)
+        padded = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])
         token_of = jnp.where(rows < count, rows // self.top_k, tokens.shape[0])
         act = ACTIVATIONS[self.hidden_act]
+        gate_w, up_w, down_w = stacks
 
         def run_block(_, block):
             index, token_rows, expert = block
 
             def compute():
                 h = padded[token_rows]
-                gate, up = project_many(
-                    h, [_expert_weight(l.weight, expert) for l in (self.experts.gate_proj, self.experts.up_proj)]
-                )
-                return project(act(gate) * up, _expert_weight(self.experts.down_proj.weight, expert))
+                gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
+                return project(act(gate) * up, _expert_weight(down_w, expert))
 
-            out = jax.lax.cond(index < used, compute, lambda: jnp.zeros(token_rows.shape + shape[-1:], x.dtype))
+            out = jax.lax.cond(index < used, compute, lambda: jnp.zeros(token_rows.shape + (hidden,), tokens.dtype))
             return None, out
 
         indices = jnp.arange(rows.shape[0])
         _, outputs = jax.lax.scan(run_block, None, (indices, token_of, block_expert))
         scale = jnp.concatenate([weights.reshape(-1), jnp.zeros((1,), weights.dtype)])
         contributions = outputs * scale[jnp.minimum(rows, count)][..., None].astype(outputs.dtype)
-        out = jnp.zeros((tokens.shape[0] + 1, shape[-1]), x.dtype).at[token_of.reshape(-1)].add(
-            contributions.reshape(-1, shape[-1])
+        out = jnp.zeros((tokens.shape[0] + 1, hidden), tokens.dtype).at[token_of.reshape(-1)].add(
+            contributions.reshape(-1, hidden)
         )
-        return out[:-1].reshape(shape)
+        return out[:-1]
+
+    def _expert_parallel(self, x, weights, chosen, placement):
+        """The experts split over the mesh's `expert` axis: each device gathers the
+        tokens of its `expert` group, runs the assignments to its own experts, and
+        the partial outputs are summed back onto the devices that own the tokens
+        (all-gather + reduce-scatter over `expert`; attention stays data-parallel)."""
+        parts = placement.axis_sizes["expert"]
+        local = self.num_experts // parts
+        token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
+        batch_axes = token_spec[0] if len(token_spec) else None
+        batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
+        split_tokens = "expert" in batch_axes
+        routed_shape = x.shape[:-1] + (self.top_k,)
+        stacks, indices = [], []
+        for linear in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj):
+            stack, index = (linear.weight.stack, linear.weight.index) if isinstance(linear.weight, LayerSlice) else (
+                linear.weight, None)
+            stacks.append(stack)
+            indices.append(index)
+        stack_specs = tuple(PartitionSpec(*([None] * (s.ndim - 3)), "expert") for s in stacks)
+
+        def on_device(x, weights, chosen, stacks, indices):
+            tokens, weights, chosen = x.reshape(-1, x.shape[-1]), weights.reshape(-1, self.top_k), chosen.reshape(
+                -1, self.top_k)
+            if split_tokens:
+                tokens, weights, chosen = (jax.lax.all_gather(a, "expert", tiled=True) for a in (tokens, weights, chosen))
+            first = jax.lax.axis_index("expert") * local
+            mine = (chosen >= first) & (chosen < first + local)
+            chosen = jnp.where(mine, chosen - first, local)
+            weights = jnp.where(mine, weights, 0)
+            views = tuple(s if i is None else LayerSlice(s, i) for s, i in zip(stacks, indices))
+            out = self._run_experts(tokens, weights, chosen, views, local + 1, local_experts=local)
+            if split_tokens:
+                out = jax.lax.psum_scatter(out, "expert", tiled=True)
+            else:
+                out = jax.lax.psum(out, "expert")
+            return out.reshape(x.shape)
+
+        token_specs = (token_spec, placement.spec(("batch",) + (None,) * (x.ndim - 1), routed_shape))
+        return jax.shard_map(
+            on_device,
+            mesh=placement.mesh,
+            in_specs=(token_specs[0], token_specs[1], token_specs[1], stack_specs, (PartitionSpec(),) * 3),
+            out_specs=token_spec,
+            check_vma=False,
+        )(x, weights.reshape(routed_shape), chosen.reshape(routed_shape), tuple(stacks), tuple(indices))
+
+
+def _splits_experts(placement, num_experts: int) -> bool:
+    """Whether the experts are split over the mesh's `expert` axis."""
+    parts = placement.axis_sizes.get("expert", 1)
+    return parts > 1 and "expert" in placement.rules.mesh_axes("experts") and num_experts % parts == 0
 
 
 def dense_mlp(config: DecoderConfig, key: PRNGKeyArray) -> GatedMLP:

@@ -1,0 +1,358 @@
+"""Sharding on a `jax.sharding.Mesh`: logical axes, rules that map them to mesh axes, placement.
+
+Every parameter and cache array has logical axis names (`layers`, `vocab`, `embed`,
+`heads`, `kv_heads`, `head_dim`, `mlp`, `experts`, `router`, `batch`, `kv_seq`).
+`ShardingRules` maps each logical axis to mesh axes (`data`, `fsdp`, `tensor`,
+`expert`); a `Placement` (a mesh and rules) turns an array's logical axes into
+its `NamedSharding`. JAX's SPMD partitioner does the rest: the model code is the
+same on one device and on many. The stacked `layers` axis is never split, so the
+scan over layers is unchanged.
+
+A mesh axis that does not divide an axis's size (two KV heads over four `tensor`
+devices, a batch of one over `data`) leaves that axis whole, i.e. replicated
+over that mesh axis, rather than padding it.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+import math
+from collections.abc import Iterator, Mapping
+
+import equinox as eqx
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# What each mesh axis splits (the `default` preset): data-like axes split the
+# batch (attention stays data-parallel across `expert`, as in expert-parallel
+# serving), `fsdp` splits the weights along the hidden size, `tensor` splits heads,
+# the MLP and the vocabulary Megatron-style (column-parallel q/k/v, gate/up and
+# head; row-parallel o_proj and down_proj), `expert` splits the experts.
+_DEFAULT = {
+    "batch": ("data", "fsdp", "expert"),
+    "embed": ("fsdp",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "mlp": ("tensor",),
+    "vocab": ("tensor",),
+    "experts": ("expert",),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingRules:
+    """Which mesh axes split each logical axis; logical axes not listed stay whole.
+
+    Build one from a mapping (`ShardingRules.from_mapping({"mlp": "tensor", ...})`)
+    or take a preset with `ShardingRules.preset(name)`: `"default"` (everything
+    below, for whichever axes the mesh has), `"dp"` (weights replicated, the batch
+    over every mesh axis), `"fsdp"` (weights split along `embed` over `fsdp`),
+    `"tp"` (heads, MLP and vocabulary over `tensor`), `"ep"` (experts over
+    `expert`, the batch over `data` and `expert`).
+    """
+
+    rules: tuple[tuple[str, tuple[str, ...]], ...]
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, str | tuple[str, ...] | None]) -> "ShardingRules":
+        pairs = []
+        for logical, axes in mapping.items():
+            axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+            pairs.append((logical, axes))
+        return cls(tuple(pairs))
+
+    @classmethod
+    def preset(cls, name: str) -> "ShardingRules":
+        if name not in PRESETS:
+            raise ValueError(f"Unknown sharding preset {name!r}; choose one of {sorted(PRESETS)} or pass ShardingRules.")
+        return PRESETS[name]
+
+    def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        return dict(self.rules).get(logical, ()) if logical is not None else ()
+
+
+PRESETS = {
+    "default": ShardingRules.from_mapping(_DEFAULT),
+    "dp": ShardingRules.from_mapping({"batch": MESH_AXES}),
+    "fsdp": ShardingRules.from_mapping({"batch": ("data", "fsdp"), "embed": "fsdp"}),
+    "tp": ShardingRules.from_mapping(
+        {"batch": "data", "heads": "tensor", "kv_heads": "tensor", "mlp": "tensor", "vocab": "tensor"}
+    ),
+    "ep": ShardingRules.from_mapping({"batch": ("data", "expert"), "experts": "expert"}),
+}
+
+
+def resolve_rules(sharding: "str | ShardingRules | Mapping | None") -> ShardingRules:
+    """Rules from a preset name, a mapping, or `ShardingRules` (None: the default preset)."""
+    if sharding is None:
+        return PRESETS["default"]
+    if isinstance(sharding, str):
+        return ShardingRules.preset(sharding)
+    if isinstance(sharding, Mapping):
+        return ShardingRules.from_mapping(sharding)
+    if isinstance(sharding, ShardingRules):
+        return sharding
+    raise TypeError(f"sharding must be a preset name, a mapping or ShardingRules; got {type(sharding).__name__}.")
+
+
+def partition_spec(
+    logical_axes: tuple[str | None, ...],
+    sizes: tuple[int, ...],
+    rules: ShardingRules,
+    axis_sizes: Mapping[str, int],
+) -> PartitionSpec:
+    """The spec that splits each axis over its rule's mesh axes, keeping only mesh
+    axes that exist, are unused by an earlier axis, and divide the size.
+
+    `sizes` are the counts a split must divide: the array's dimensions, except for
+    flattened head axes, where it is the number of heads (a head is never cut).
+    """
+    used: set[str] = set()
+    spec = []
+    for logical, size in zip(logical_axes, sizes):
+        chosen = []
+        for axis in rules.mesh_axes(logical):
+            parts = axis_sizes.get(axis, 1)
+            if axis in used or parts == 1:
+                continue
+            if size % (math.prod(axis_sizes[a] for a in chosen) * parts) == 0:
+                chosen.append(axis)
+        used.update(chosen)
+        spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+    while spec and spec[-1] is None:
+        spec.pop()
+    return PartitionSpec(*spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """A mesh and the rules that lay the model out on it.
+
+    A model placed on a mesh (`from_pretrained(..., mesh=)` or `shard_model`)
+    carries its placement; its forward pass constrains activations and the cache
+    with it, and `init_cache` creates the cache already split.
+    """
+
+    mesh: Mesh
+    rules: ShardingRules
+    head_counts: tuple[tuple[str, int], ...] = ()  # logical head axis -> number of heads
+
+    @property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(self.mesh.shape)
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh.size
+
+    def spec(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
+        counts = dict(self.head_counts)
+        sizes = tuple(counts.get(name, size) if name in counts else size for name, size in zip(logical_axes, shape))
+        return partition_spec(logical_axes, sizes, self.rules, self.axis_sizes)
+
+    def sharding(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
+        return NamedSharding(self.mesh, self.spec(logical_axes, shape))
+
+    def constrain(self, x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+        """`x` with a sharding constraint for its logical axes (inside jit: a hint to
+        the partitioner; outside: a reshard)."""
+        return jax.lax.with_sharding_constraint(x, self.sharding(logical_axes, x.shape))
+
+
+def check_mesh(mesh: Mesh) -> None:
+    """Refuses meshes with axis names the rules do not know."""
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}.")
+    unknown = [name for name in mesh.axis_names if name not in MESH_AXES]
+    if unknown:
+        raise ValueError(
+            f"Mesh axis names {unknown} are not known; name mesh axes from {list(MESH_AXES)} "
+            "(for example jax.make_mesh((4, 2), ('data', 'tensor')))."
+        )
+
+
+# ---------------------------------------------------------------- logical axes
+
+# Axes of one layer's (one expert's) weight, by the last two parts of its name.
+_WEIGHT_AXES = {
+    "q_proj.weight": ("heads", "embed"),
+    "q_proj.bias": ("heads",),
+    "k_proj.weight": ("kv_heads", "embed"),
+    "k_proj.bias": ("kv_heads",),
+    "v_proj.weight": ("kv_heads", "embed"),
+    "v_proj.bias": ("kv_heads",),
+    "o_proj.weight": ("embed", "heads"),
+    "o_proj.bias": ("embed",),
+    "gate_proj.weight": ("mlp", "embed"),
+    "gate_proj.bias": ("mlp",),
+    "up_proj.weight": ("mlp", "embed"),
+    "up_proj.bias": ("mlp",),
+    "down_proj.weight": ("embed", "mlp"),
+    "down_proj.bias": ("embed",),
+    "gate.weight": ("router", "embed"),  # the MoE router
+    "q_norm.weight": ("head_dim",),
+    "k_norm.weight": ("head_dim",),
+    "embed_tokens.weight": ("vocab", "embed"),
+    "lm_head.weight": ("vocab", "embed"),
+}
+
+CACHE_AXES = {
+    "keys": ("layers", "batch", "kv_heads", "kv_seq", "head_dim"),
+    "values": ("layers", "batch", "kv_heads", "kv_seq", "head_dim"),
+    "slot_positions": ("batch", "kv_seq"),
+    "positions": ("batch",),
+    "length": (),
+}
+
+
+def weight_axes(name: str, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of the parameter at `name` (its path, HF style, layers stacked):
+    `layers` first for stacked leaves, then `experts` under `experts.`."""
+    parts = name.split(".")
+    leading = ("layers",) if name.startswith("model.layers.") else ()
+    if "experts" in parts[:-2]:
+        leading += ("experts",)
+    last_two = ".".join(parts[-2:])
+    if last_two in _WEIGHT_AXES:
+        own = _WEIGHT_AXES[last_two]
+    elif parts[-1] == "weight" and (parts[-2] == "norm" or parts[-2].endswith("layernorm")):
+        own = ("embed",)
+    else:
+        raise ValueError(
+            f"No logical axes known for parameter {name}; add its module to eqx_models.sharding._WEIGHT_AXES."
+        )
+    axes = leading + own
+    if len(axes) != ndim:
+        raise ValueError(f"Parameter {name} has {ndim} axes but its logical axes are {axes}.")
+    return axes
+
+
+def _is_shape(x) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
+
+
+def _array_like(x) -> bool:
+    return eqx.is_array(x) or _is_shape(x)
+
+
+def _path_name(path) -> str:
+    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+
+
+def logical_axes(tree) -> object:
+    """A pytree like `tree` (a model or a cache) with each array replaced by the
+    tuple of its logical axis names."""
+    from .cache import KVCache
+
+    if isinstance(tree, KVCache):
+        return jax.tree_util.tree_map_with_path(lambda path, leaf: CACHE_AXES[_path_name(path)], tree)
+    return jax.tree_util.tree_map_with_path(
+        lambda path, leaf: weight_axes(_path_name(path), len(leaf.shape)) if _array_like(leaf) else leaf,
+        tree,
+        is_leaf=_is_shape,
+    )
+
+
+def head_counts(config) -> tuple[tuple[str, int], ...]:
+    return (("heads", config.num_attention_heads), ("kv_heads", config.num_key_value_heads))
+
+
+def placement_for(config, mesh: Mesh, sharding=None) -> Placement:
+    """The `Placement` of a model with `config` on `mesh` under `sharding` (a preset
+    name, a mapping of logical to mesh axes, or `ShardingRules`; default rules if None)."""
+    check_mesh(mesh)
+    # The model leaves the layout of intermediate values to the partitioner (Auto
+    # axes); `jax.make_mesh` makes Explicit axes by default, which would require a
+    # sharding for every operation's output.
+    auto = Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+    return Placement(auto, resolve_rules(sharding), head_counts(config))
+
+
+def shardings(tree, placement: Placement):
+    """`NamedSharding` for every array (or shape) of a model or cache."""
+    return jax.tree.map(
+        lambda leaf, names: placement.sharding(names, leaf.shape) if _array_like(leaf) else None,
+        tree,
+        logical_axes(tree),
+        is_leaf=_is_shape,
+    )
+
+
+def shard_model(model, mesh: Mesh, sharding=None):
+    """`model` with every parameter placed on `mesh` by the rules; the model keeps
+    its placement, so calls and `init_cache` follow it."""
+    placement = placement_for(model.config, mesh, sharding)
+    params, static = eqx.partition(model, eqx.is_array)
+    placed = jax.tree.map(jax.device_put, params, shardings(params, placement))
+    return eqx.combine(placed, static).with_placement(placement)
+
+
+def constrain_cache(cache, placement: Placement):
+    """A `KVCache` with each array constrained to its sharding."""
+    return jax.tree.map(
+        lambda leaf, names: placement.constrain(leaf, names) if eqx.is_array(leaf) else leaf,
+        cache,
+        logical_axes(cache),
+    )
+
+
+# ------------------------------------------------ the placement while tracing
+
+_ACTIVE: contextvars.ContextVar[Placement | None] = contextvars.ContextVar("eqx_models_placement", default=None)
+
+
+@contextlib.contextmanager
+def active(placement: Placement | None) -> Iterator[None]:
+    """Makes `placement` the one blocks see (`current()`) while the model is traced."""
+    token = _ACTIVE.set(placement)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def current() -> Placement | None:
+    """The placement of the model being traced, or None on one device."""
+    return _ACTIVE.get()
+
+
+def constrain(x: jax.Array, logical_axes: tuple[str | None, ...]) -> jax.Array:
+    """`x` constrained to its logical axes under the current placement (as is without one)."""
+    placement = current()
+    return x if placement is None else placement.constrain(x, logical_axes)
+
+
+def spans_devices() -> bool:
+    """Whether the model being traced is laid out over more than one device (the
+    single-device CPU kernels then give way to XLA, which the partitioner splits)."""
+    placement = current()
+    return placement is not None and placement.num_devices > 1
+
+
+# ------------------------------------------------------------- memory plans
+
+
+def shard_shape(shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: Mapping[str, int]) -> tuple[int, ...]:
+    """The per-device shape of an array of `shape` split by `spec`."""
+    out = list(shape)
+    for i, axes in enumerate(spec):
+        if axes is None:
+            continue
+        axes = (axes,) if isinstance(axes, str) else axes
+        out[i] //= math.prod(axis_sizes[a] for a in axes)
+    return tuple(out)
+
+
+def per_device_bytes(tree, placement: Placement) -> int:
+    """Bytes each device holds of `tree`'s arrays (or shapes) under `placement`."""
+
+    def nbytes(leaf, names):
+        if not _array_like(leaf):
+            return 0
+        shape = shard_shape(leaf.shape, placement.spec(names, leaf.shape), placement.axis_sizes)
+        return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+
+    return sum(jax.tree.leaves(jax.tree.map(nbytes, tree, logical_axes(tree), is_leaf=_is_shape)))
