@@ -1,6 +1,7 @@
 """The `eqx-models` command line."""
 
 import argparse
+import json
 import sys
 import time
 
@@ -93,6 +94,36 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import jax.numpy as jnp
+
+    from .config import load_json
+    from .hub import resolve_model_dir
+    from .models import architecture_for
+    from .sharding import memory_plan, parse_mesh_shape
+
+    folder = resolve_model_dir(args.model, revision=args.revision, allow_patterns=["config.json"])
+    hf_config = load_json(folder / "config.json")
+    config = architecture_for(hf_config).config_from_hf(hf_config)
+    plan = memory_plan(
+        config, parse_mesh_shape(args.mesh), args.sharding, dtype=jnp.dtype(args.dtype),
+        batch_size=args.batch_size, max_length=args.max_length,
+    )
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    gb = lambda n: f"{n / 1e9:10.2f} GB"
+    mesh = " x ".join(f"{name}={size}" for name, size in plan["mesh"].items())
+    print(f"{args.model} ({args.dtype}) on {plan['devices']} devices ({mesh}), sharding {args.sharding or 'default'}")
+    print(f"{'':24}{'in all':>13}{'per device':>13}")
+    print(f"{'parameters':24}{gb(plan['parameter_bytes'])} {gb(plan['parameter_bytes_per_device'])}")
+    if args.batch_size and args.max_length:
+        label = f"KV cache {args.batch_size} x {args.max_length}"
+        print(f"{label:24}{gb(plan['cache_bytes'])} {gb(plan['cache_bytes_per_device'])}")
+    print(f"{'per device in all':24}{'':13} {gb(plan['per_device_bytes'])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
     parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
@@ -134,6 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     serve.set_defaults(run=_serve)
+
+    plan = commands.add_parser(
+        "plan", help="Per-device memory of a model on a device mesh (from config.json alone; nothing is loaded)."
+    )
+    plan.add_argument("model", help="Hugging Face hub id or a local folder (only config.json is read).")
+    plan.add_argument("--mesh", required=True, help="Mesh axes and sizes, e.g. tensor=4,expert=2 (data, fsdp, tensor, expert).")
+    plan.add_argument("--sharding", choices=["default", "dp", "fsdp", "tp", "ep"], default=None,
+                      help="Sharding preset (default: the default rules for the mesh's axes).")
+    plan.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    plan.add_argument("--batch-size", type=int, default=0, help="With --max-length: also plan a KV cache this wide.")
+    plan.add_argument("--max-length", type=int, default=0, help="Tokens per row of the planned KV cache.")
+    plan.add_argument("--json", action="store_true", help="Print the plan as JSON.")
+    plan.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
+    plan.set_defaults(run=_plan)
     return parser
 
 

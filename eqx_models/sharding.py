@@ -136,7 +136,7 @@ class Placement:
     with it, and `init_cache` creates the cache already split.
     """
 
-    mesh: Mesh
+    mesh: Mesh | jax.sharding.AbstractMesh  # abstract: for memory plans only
     rules: ShardingRules
     head_counts: tuple[tuple[str, int], ...] = ()  # logical head axis -> number of heads
 
@@ -356,3 +356,72 @@ def per_device_bytes(tree, placement: Placement) -> int:
         return math.prod(shape) * np.dtype(leaf.dtype).itemsize
 
     return sum(jax.tree.leaves(jax.tree.map(nbytes, tree, logical_axes(tree), is_leaf=_is_shape)))
+
+
+def parse_mesh_shape(text: str) -> dict[str, int]:
+    """`"tensor=4,expert=2"` -> `{"tensor": 4, "expert": 2}` (the CLI's `--mesh`)."""
+    shape = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, size = part.partition("=")
+        if name not in MESH_AXES or not size.isdigit() or int(size) < 1 or name in shape:
+            raise ValueError(
+                f"Bad mesh axis {part!r} in {text!r}: write AXIS=SIZE pairs separated by commas, "
+                f"AXIS one of {list(MESH_AXES)} (each once), SIZE a positive integer, e.g. tensor=4,expert=2."
+            )
+        shape[name] = int(size)
+    if not shape:
+        raise ValueError(f"No mesh axes in {text!r}; write e.g. tensor=4,expert=2.")
+    return shape
+
+
+def memory_plan(
+    config,
+    mesh_shape: Mapping[str, int],
+    sharding=None,
+    *,
+    dtype=None,
+    batch_size: int = 0,
+    max_length: int = 0,
+) -> dict:
+    """Bytes per device of a model with `config` (and of a `batch_size` x `max_length`
+    KV cache) on a mesh of `mesh_shape`, from shapes alone (`eqx.filter_eval_shape`):
+    nothing is allocated, and no devices are needed.
+
+    Returns a dict with the mesh, the device count, parameter and cache bytes in all
+    and per device, and `per_device_bytes` (their sum).
+    """
+    import jax.numpy as jnp
+
+    from .cache import KVCache
+    from .nn.causal_lm import CausalLM
+
+    names, sizes = tuple(mesh_shape), tuple(mesh_shape.values())
+    mesh = jax.sharding.AbstractMesh(sizes, names, axis_types=(AxisType.Auto,) * len(names))
+    placement = Placement(mesh, resolve_rules(sharding), head_counts(config))
+    skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    if dtype is not None:
+        skeleton = jax.tree.map(
+            lambda s: jax.ShapeDtypeStruct(s.shape, dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s,
+            skeleton,
+        )
+    params = eqx.filter(skeleton, _is_shape)
+    total = lambda tree: sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(tree))
+    plan = {
+        "mesh": dict(mesh_shape),
+        "devices": math.prod(sizes),
+        "parameter_bytes": total(params),
+        "parameter_bytes_per_device": per_device_bytes(params, placement),
+        "cache_bytes": 0,
+        "cache_bytes_per_device": 0,
+    }
+    if batch_size and max_length:
+        cache = jax.eval_shape(
+            lambda: KVCache.empty(
+                config.num_hidden_layers, batch_size, config.num_key_value_heads, max_length, config.head_dim,
+                dtype or jnp.float32,
+            )
+        )
+        plan["cache_bytes"] = total(cache)
+        plan["cache_bytes_per_device"] = per_device_bytes(cache, placement)
+    plan["per_device_bytes"] = plan["parameter_bytes_per_device"] + plan["cache_bytes_per_device"]
+    return plan

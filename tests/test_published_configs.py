@@ -33,6 +33,9 @@ LLAMA_3_1_8B = dict(
                       original_max_position_embeddings=8192),
     attention_bias=False, mlp_bias=False, hidden_act="silu",
 )
+LLAMA_3_1_70B = dict(
+    LLAMA_3_1_8B, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+)
 QWEN2_5_7B = dict(
     model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584,
     intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
@@ -66,6 +69,7 @@ PUBLISHED = {
     "Qwen3-0.6B": (QWEN3_0_6B, 596_049_920),
     "Qwen3-30B-A3B": (QWEN3_30B_A3B, 30_532_122_624),
     "Llama-3.1-8B": (LLAMA_3_1_8B, 8_030_261_248),
+    "Llama-3.1-70B": (LLAMA_3_1_70B, 70_553_706_496),
     "Qwen2.5-7B": (QWEN2_5_7B, 7_615_616_512),
     "Mistral-7B-v0.1": (MISTRAL_7B_V0_1, 7_241_732_096),
     "Gemma-3-1B": (GEMMA_3_1B, 999_885_952),

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
 from ..kernels import kernels_available, stacked_matvecs
+from ..sharding import spans_devices
 
 INIT_STD = 0.02  # transformers' default `initializer_range`
 # Up to this many rows (batch x seq) a product with a weight goes through the
@@ -83,6 +84,8 @@ def project_many(
             outs = stacked_matvecs(x, stacks, indices[0])
         else:
             outs = [project(x, w) for w in weights]
+    elif spans_devices():  # weights split over a mesh: a concatenation would reshard them
+        outs = [jnp.einsum("...i,oi->...o", x, w.materialize() if isinstance(w, LayerSlice) else w) for w in weights]
     else:
         weights = [w.materialize() if isinstance(w, LayerSlice) else w for w in weights]
         joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))

@@ -117,11 +117,11 @@ class SparseMoeBlock(eqx.Module):
         self.hidden_act = hidden_act
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
+        placement = sharding.current()
+        if placement is not None and placement.num_devices > 1:
+            return self._on_mesh(x, placement)
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = route(self.gate(tokens), self.top_k, self.norm_topk_prob)
-        placement = sharding.current()
-        if placement is not None and _splits_experts(placement, self.num_experts):
-            return self._expert_parallel(x, weights, chosen, placement)
         stacks = tuple(l.weight for l in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))
         return self._run_experts(tokens, weights, chosen, stacks, self.num_experts).reshape(x.shape)
 
@@ -164,51 +164,77 @@ class SparseMoeBlock(eqx.Module):
         )
         return out[:-1]
 
-    def _expert_parallel(self, x, weights, chosen, placement):
-        """The experts split over the mesh's `expert` axis: each device gathers the
-        tokens of its `expert` group, runs the assignments to its own experts, and
-        the partial outputs are summed back onto the devices that own the tokens
-        (all-gather + reduce-scatter over `expert`; attention stays data-parallel)."""
-        parts = placement.axis_sizes["expert"]
-        local = self.num_experts // parts
+    def _on_mesh(self, x, placement):
+        """The experts on a mesh, as one program per device (`shard_map`): each device
+        takes its own tokens (all tokens of its `expert` group when the experts are
+        split over `expert`) and runs them through its own experts and its slice of
+        their MLP width (split over `tensor`); the partial outputs are summed over
+        `tensor` and summed back onto the devices that own the tokens over `expert`
+        (all-gather + reduce-scatter; attention stays data-parallel). Expert weights
+        split along `embed` (FSDP) are gathered for the call, as is the router. Routing
+        and sorting assignments per device keep the batch split (a global top-k and
+        sort would gather every token)."""
         token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
-        batch_axes = token_spec[0] if len(token_spec) else None
-        batch_axes = () if batch_axes is None else (batch_axes,) if isinstance(batch_axes, str) else batch_axes
-        split_tokens = "expert" in batch_axes
-        routed_shape = x.shape[:-1] + (self.top_k,)
-        stacks, indices = [], []
-        for linear in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj):
-            stack, index = (linear.weight.stack, linear.weight.index) if isinstance(linear.weight, LayerSlice) else (
-                linear.weight, None)
+        token_axes = _axes(token_spec[0] if len(token_spec) else None)
+        experts_split = _splits_experts(placement, self.num_experts)
+        split_tokens = experts_split and "expert" in token_axes
+        local = self.num_experts // placement.axis_sizes["expert"] if experts_split else self.num_experts
+
+        stacks, indices, specs = [], [], []
+        for linear, own in ((self.experts.gate_proj, ("mlp", None)), (self.experts.up_proj, ("mlp", None)),
+                            (self.experts.down_proj, (None, "mlp"))):
+            weight = linear.weight
+            stack, index = (weight.stack, weight.index) if isinstance(weight, LayerSlice) else (weight, None)
+            axes = (None,) * (stack.ndim - 3) + ("experts",) + own
+            spec = placement.spec(axes, stack.shape)
             stacks.append(stack)
             indices.append(index)
-        stack_specs = tuple(PartitionSpec(*([None] * (s.ndim - 3)), "expert") for s in stacks)
+            specs.append(spec)
+        width_axes = _axes(_entry(specs[0], stacks[0].ndim - 2))  # mesh axes splitting the MLP width
 
-        def on_device(x, weights, chosen, stacks, indices):
-            tokens, weights, chosen = x.reshape(-1, x.shape[-1]), weights.reshape(-1, self.top_k), chosen.reshape(
-                -1, self.top_k)
+        router = self.gate.weight
+        router_stack, router_index = (router.stack, router.index) if isinstance(router, LayerSlice) else (router, None)
+
+        def on_device(x, router_stack, router_index, router_bias, stacks, indices):
+            tokens = x.reshape(-1, x.shape[-1])
             if split_tokens:
-                tokens, weights, chosen = (jax.lax.all_gather(a, "expert", tiled=True) for a in (tokens, weights, chosen))
-            first = jax.lax.axis_index("expert") * local
-            mine = (chosen >= first) & (chosen < first + local)
-            chosen = jnp.where(mine, chosen - first, local)
-            weights = jnp.where(mine, weights, 0)
+                tokens = jax.lax.all_gather(tokens, "expert", tiled=True)
+            router = router_stack if router_index is None else LayerSlice(router_stack, router_index)
+            logits = project(tokens, router) if router_bias is None else project(tokens, router) + router_bias
+            weights, chosen = route(logits, self.top_k, self.norm_topk_prob)
             views = tuple(s if i is None else LayerSlice(s, i) for s, i in zip(stacks, indices))
-            out = self._run_experts(tokens, weights, chosen, views, local + 1, local_experts=local)
+            if experts_split:
+                first = jax.lax.axis_index("expert") * local
+                mine = (chosen >= first) & (chosen < first + local)
+                chosen = jnp.where(mine, chosen - first, local)  # `local`: another device's expert
+                weights = jnp.where(mine, weights, 0)
+                out = self._run_experts(tokens, weights, chosen, views, local + 1, local_experts=local)
+            else:
+                out = self._run_experts(tokens, weights, chosen, views, local)
+            if width_axes:
+                out = jax.lax.psum(out, width_axes)
             if split_tokens:
                 out = jax.lax.psum_scatter(out, "expert", tiled=True)
-            else:
+            elif experts_split:
                 out = jax.lax.psum(out, "expert")
             return out.reshape(x.shape)
 
-        token_specs = (token_spec, placement.spec(("batch",) + (None,) * (x.ndim - 1), routed_shape))
         return jax.shard_map(
             on_device,
             mesh=placement.mesh,
-            in_specs=(token_specs[0], token_specs[1], token_specs[1], stack_specs, (PartitionSpec(),) * 3),
+            in_specs=(token_spec, PartitionSpec(), PartitionSpec(), PartitionSpec(), tuple(specs), (PartitionSpec(),) * 3),
             out_specs=token_spec,
             check_vma=False,
-        )(x, weights.reshape(routed_shape), chosen.reshape(routed_shape), tuple(stacks), tuple(indices))
+        )(x, router_stack, router_index, self.gate.bias, tuple(stacks), tuple(indices))
+
+
+def _axes(entry) -> tuple[str, ...]:
+    """The mesh axes of one `PartitionSpec` entry, as a tuple."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _entry(spec: PartitionSpec, axis: int):
+    return spec[axis] if axis < len(spec) else None
 
 
 def _splits_experts(placement, num_experts: int) -> bool:

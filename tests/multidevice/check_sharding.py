@@ -1,0 +1,227 @@
+"""Sharded runs on 8 CPU devices; `tests/test_sharding.py` runs this file in its own
+pytest session with `XLA_FLAGS=--xla_force_host_platform_device_count=8`."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import make_checkpoint, tiny_config
+from test_published_configs import LLAMA_3_1_70B, QWEN3_30B_A3B
+from eqx_models import from_pretrained, generate
+from eqx_models.generation import trace_counts
+from eqx_models.hub import _leaf_names
+from eqx_models.models import architecture_for
+from eqx_models.sharding import logical_axes, memory_plan
+
+DENSE = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
+    head_dim=16, num_hidden_layers=2, max_position_embeddings=128,
+)
+MOE = dict(DENSE, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+MODELS = {
+    "qwen3": ("qwen3", DENSE),
+    "qwen3_moe": ("qwen3_moe", MOE),
+    "qwen3_two_kv_heads": ("qwen3", dict(DENSE, num_key_value_heads=2)),
+}
+# name -> mesh shape, the specs some weights must get, the KV cache's spec.
+PRESETS = {
+    "dp8": (
+        {"data": 8},
+        {"self_attn.q_proj.weight": P(), "embed_tokens.weight": P()},
+        P(None, "data"),
+    ),
+    "fsdp8": (
+        {"fsdp": 8},
+        {"self_attn.q_proj.weight": P(None, None, "fsdp"), "self_attn.o_proj.weight": P(None, "fsdp"),
+         "embed_tokens.weight": P(None, "fsdp")},
+        P(None, "fsdp"),
+    ),
+    "tp2_dp4": (
+        {"data": 4, "tensor": 2},
+        {"self_attn.q_proj.weight": P(None, "tensor"), "self_attn.k_proj.weight": P(None, "tensor"),
+         "self_attn.o_proj.weight": P(None, None, "tensor"), "mlp.down_proj.weight": P(None, None, "tensor"),
+         "mlp.experts.gate_proj.weight": P(None, None, "tensor"), "embed_tokens.weight": P("tensor")},
+        P(None, "data", "tensor"),
+    ),
+    "tp4_fsdp2": (
+        {"fsdp": 2, "tensor": 4},
+        {"self_attn.q_proj.weight": P(None, "tensor", "fsdp"), "self_attn.o_proj.weight": P(None, "fsdp", "tensor"),
+         "mlp.up_proj.weight": P(None, "tensor", "fsdp"), "lm_head.weight": P("tensor", "fsdp")},
+        P(None, "fsdp", "tensor"),
+    ),
+    "ep4_dp2": (
+        {"data": 2, "expert": 4},
+        {"mlp.experts.down_proj.weight": P(None, "expert"), "self_attn.q_proj.weight": P()},
+        P(None, ("data", "expert")),
+    ),
+}
+CASES = [
+    ("qwen3", "dp8"), ("qwen3", "fsdp8"), ("qwen3", "tp2_dp4"), ("qwen3", "tp4_fsdp2"),
+    ("qwen3_moe", "dp8"), ("qwen3_moe", "fsdp8"), ("qwen3_moe", "tp2_dp4"), ("qwen3_moe", "tp4_fsdp2"),
+    ("qwen3_moe", "ep4_dp2"),
+    ("qwen3_two_kv_heads", "tp4_fsdp2"),
+]
+NEW_TOKENS = 24
+DECODE_STEPS = 4
+
+
+def test_eight_devices():
+    assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
+
+
+def prompts() -> tuple[np.ndarray, np.ndarray]:
+    """Eight left-padded prompts of different lengths."""
+    rng = np.random.default_rng(0)
+    lengths = [12, 5, 9, 12, 1, 7, 12, 3]
+    ids = np.zeros((8, 12), np.int32)
+    mask = np.zeros((8, 12), np.int32)
+    for row, length in enumerate(lengths):
+        ids[row, 12 - length:] = rng.integers(0, 128, length)
+        mask[row, 12 - length:] = 1
+    return ids, mask
+
+
+@eqx.filter_jit
+def prefill(model, ids, cache, mask):
+    return model(ids, cache, mask)
+
+
+@eqx.filter_jit
+def decode(model, ids, cache):
+    return model(ids, cache)
+
+
+def run(model, ids, mask) -> dict[str, np.ndarray]:
+    """Full-pass logits, greedy tokens, and logits of a prefill into `init_cache`'s
+    cache followed by single-token steps."""
+    logits, _ = model(ids, attention_mask=mask)
+    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=[])
+    cache = model.init_cache(ids.shape[0], 32)
+    step, cache = prefill(model, ids, cache, mask)
+    stepwise = [step[:, -1]]
+    for i in range(DECODE_STEPS):
+        step, cache = decode(model, tokens[:, i : i + 1], cache)
+        stepwise.append(step[:, -1])
+    return {"logits": np.asarray(logits), "tokens": tokens, "stepwise": np.asarray(jnp.stack(stepwise, 1)),
+            "cache": cache}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """Per model: its checkpoint folder and the single-device results."""
+    ids, mask = prompts()
+    out = {}
+    for name, (model_type, overrides) in MODELS.items():
+        folder = tmp_path_factory.mktemp(name)
+        make_checkpoint(folder, tiny_config(model_type, **overrides))
+        single = from_pretrained(folder, dtype=jnp.float32)
+        out[name] = (folder, run(single, ids, mask))
+    return out
+
+
+def mesh_of(shape: dict[str, int]) -> jax.sharding.Mesh:
+    return jax.make_mesh(tuple(shape.values()), tuple(shape))
+
+
+@pytest.mark.parametrize("model_name,preset", CASES)
+def test_sharded_run_equals_single_device(references, model_name, preset):
+    folder, expected = references[model_name]
+    shape, weight_specs, cache_spec = PRESETS[preset]
+    mesh = mesh_of(shape)
+    model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh)  # the pinned entry point: default rules
+    ids, mask = prompts()
+
+    # Every parameter carries the sharding its logical axes ask for; the table above
+    # pins the intended layout for the weights that show each preset.
+    params = eqx.filter(model, eqx.is_array)
+    leaves = jax.tree_util.tree_flatten_with_path(params)[0]
+    axes = jax.tree.leaves(logical_axes(params), is_leaf=lambda x: isinstance(x, tuple))
+    checked = set()
+    for (path, leaf), names in zip(leaves, axes):
+        name = _leaf_names(path)
+        spec = leaf.sharding.spec
+        for suffix, wanted in weight_specs.items():
+            if name.endswith(suffix) and not (model_name == "qwen3_two_kv_heads" and "k_proj" in suffix):
+                assert spec == wanted, f"{name}: {spec} != {wanted}"
+                checked.add(suffix)
+        assert spec == model.placement.spec(names, leaf.shape), name
+        # Each device holds exactly its block: no full copy of a split tensor.
+        block = NamedSharding(mesh, spec).shard_shape(leaf.shape)
+        for shard in leaf.addressable_shards:
+            assert shard.data.shape == block, name
+        assert len(leaf.addressable_shards) == 8
+    assert checked == {s for s in weight_specs if any(_leaf_names(p).endswith(s) for p, _ in leaves)} - (
+        {"self_attn.k_proj.weight"} if model_name == "qwen3_two_kv_heads" else set()
+    )
+    if model_name == "qwen3_two_kv_heads":
+        # Two KV heads over four tensor devices: replicated along tensor (not padded).
+        assert model.model.layers.self_attn.k_proj.weight.sharding.spec == P(None, None, "fsdp")
+        cache_spec = P(None, "fsdp")
+
+    before = dict(trace_counts())
+    got = run(model, ids, mask)
+    assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
+    assert np.max(np.abs(got["stepwise"] - expected["stepwise"])) < 1e-4
+    np.testing.assert_array_equal(got["tokens"], expected["tokens"])
+    for leaf_name in ("keys", "values"):
+        leaf = getattr(got["cache"], leaf_name)
+        assert leaf.sharding.spec == cache_spec, f"cache {leaf_name}: {leaf.sharding.spec}"
+        block = NamedSharding(mesh, cache_spec).shard_shape(leaf.shape)
+        assert all(shard.data.shape == block for shard in leaf.addressable_shards)
+
+    # One prefill and one decode compilation for this layout; more tokens reuse them.
+    after = dict(trace_counts())
+    assert after["decode"] - before.get("decode", 0) == 1
+    generate(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS - 4, eos_token_id=[])
+    assert dict(trace_counts()) == after
+
+
+@pytest.mark.parametrize("preset,shape", [("tp", {"data": 4, "tensor": 2}), ("ep", {"data": 2, "expert": 4}),
+                                          ("fsdp", {"fsdp": 8}), ("dp", {"data": 2, "tensor": 4})])
+def test_named_presets_lay_out_only_their_axes(references, preset, shape):
+    folder, expected = references["qwen3_moe"]
+    model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(shape), sharding=preset)
+    layers = model.model.layers
+    q, experts = layers.self_attn.q_proj.weight.sharding.spec, layers.mlp.experts.up_proj.weight.sharding.spec
+    assert (q, experts) == {
+        "tp": (P(None, "tensor"), P(None, None, "tensor")),
+        "ep": (P(), P(None, "expert")),
+        "fsdp": (P(None, None, "fsdp"), P(None, None, None, "fsdp")),
+        "dp": (P(), P()),
+    }[preset]
+    ids, mask = prompts()
+    logits, _ = model(ids, attention_mask=mask)
+    assert np.max(np.abs(np.asarray(logits) - expected["logits"])) < 1e-4
+
+
+PUBLISHED = {"qwen3_30b_a3b": QWEN3_30B_A3B, "llama_3_1_70b": LLAMA_3_1_70B}
+
+
+@pytest.mark.parametrize("name,shape", [
+    ("qwen3_30b_a3b", {"expert": 4}),
+    ("qwen3_30b_a3b", {"tensor": 4, "expert": 2}),
+    ("llama_3_1_70b", {"tensor": 8}),
+    ("llama_3_1_70b", {"fsdp": 8}),
+])
+def test_memory_plan_equals_the_sum_of_shard_sizes(name, shape):
+    from eqx_models.nn.causal_lm import CausalLM
+    from eqx_models.sharding import placement_for, shardings
+
+    hf = PUBLISHED[name]
+    config = architecture_for(hf).config_from_hf(hf)
+    plan = memory_plan(config, shape, dtype=jnp.bfloat16, batch_size=8, max_length=4096)
+    devices = math.prod(shape.values())
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:devices]).reshape(tuple(shape.values())), tuple(shape))
+    placement = placement_for(config, mesh)
+    skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    # JAX's own block shapes for the shardings of every leaf, summed.
+    blocks = jax.tree.map(lambda s, sh: math.prod(sh.shard_shape(s.shape)) * 2, skeleton, shardings(skeleton, placement),
+                          is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+    assert plan["parameter_bytes_per_device"] == sum(jax.tree.leaves(blocks))
+    assert plan["parameter_bytes"] == sum(math.prod(s.shape) * 2 for s in jax.tree.leaves(skeleton))
+    print(name, shape, f"{plan['parameter_bytes_per_device'] / 1e9:.2f} GB per device of {plan['parameter_bytes'] / 1e9:.2f}")

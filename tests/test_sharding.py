@@ -1,0 +1,106 @@
+"""Sharding rules, memory plans and the `plan` command; the sharded runs themselves
+need 8 devices and run in their own pytest session (tests/multidevice/)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from conftest import REPO
+from eqx_models import from_pretrained
+from eqx_models.cli import main
+from eqx_models.models import architecture_for
+from eqx_models.sharding import (
+    Placement,
+    ShardingRules,
+    head_counts,
+    memory_plan,
+    parse_mesh_shape,
+    partition_spec,
+    placement_for,
+    resolve_rules,
+    weight_axes,
+)
+from test_published_configs import QWEN3_30B_A3B
+
+
+def test_sharded_runs_on_eight_cpu_devices():
+    """tests/multidevice/check_sharding.py in a session with 8 XLA CPU devices: every
+    preset equals one device, shardings and shard shapes, compile counts, plans."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=check_*.py",
+         str(REPO / "tests" / "multidevice")],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
+    )
+    summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
+
+
+def test_a_split_needs_a_mesh_axis_that_divides_and_is_not_taken():
+    rules = ShardingRules.from_mapping({"batch": ("data", "fsdp"), "kv_heads": "tensor", "mlp": "tensor"})
+    sizes = {"data": 2, "fsdp": 4, "tensor": 4}
+    assert partition_spec(("batch", None), (8, 3), rules, sizes) == P(("data", "fsdp"))
+    assert partition_spec(("batch", None), (2, 3), rules, sizes) == P("data")  # fsdp does not divide 2 rows
+    assert partition_spec(("batch", None), (1, 3), rules, sizes) == P()  # one row: replicated
+    assert partition_spec(("kv_heads", "mlp"), (2, 8), rules, sizes) == P(None, "tensor")  # 2 heads over 4
+    assert partition_spec(("mlp", "mlp"), (8, 8), rules, sizes) == P("tensor")  # a mesh axis splits one axis
+    assert partition_spec(("layers", "mlp"), (3, 8), rules, sizes) == P(None, "tensor")
+
+
+def test_heads_are_never_cut_in_half():
+    hf = dict(QWEN3_30B_A3B, num_attention_heads=6, num_key_value_heads=2)
+    config = architecture_for(hf).config_from_hf(hf)
+    placement = Placement(jax.sharding.AbstractMesh((4,), ("tensor",)), resolve_rules(None), head_counts(config))
+    # 6 heads x 128 = 768 rows divide by 4, but 6 heads do not: q_proj stays whole.
+    assert placement.spec(("layers", "heads", "embed"), (48, 768, 2048)) == P()
+    assert placement.spec(("layers", "mlp", "embed"), (48, 6144, 2048)) == P(None, "tensor")
+
+
+def test_every_parameter_of_every_architecture_has_logical_axes():
+    assert weight_axes("model.layers.mlp.experts.down_proj.weight", 4) == ("layers", "experts", "embed", "mlp")
+    assert weight_axes("model.layers.mlp.sparse.gate.weight", 3) == ("layers", "router", "embed")
+    assert weight_axes("model.layers.pre_feedforward_layernorm.weight", 2) == ("layers", "embed")
+    assert weight_axes("lm_head.weight", 2) == ("vocab", "embed")
+    with pytest.raises(ValueError, match="No logical axes known for parameter model.layers.self_attn.sinks"):
+        weight_axes("model.layers.self_attn.sinks", 2)
+    with pytest.raises(ValueError, match="has 3 axes but its logical axes are"):
+        weight_axes("model.norm.weight", 3)
+
+
+def test_bad_meshes_and_rules_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="Mesh axis names \\['model'\\] are not known"):
+        placement_for(None, jax.make_mesh((1,), ("model",)))
+    with pytest.raises(ValueError, match="Unknown sharding preset 'zero3'"):
+        ShardingRules.preset("zero3")
+    with pytest.raises(ValueError, match="sharding= needs mesh="):
+        from_pretrained(tmp_path, sharding="tp")
+    with pytest.raises(ValueError, match="Bad mesh axis 'tensr=4'"):
+        parse_mesh_shape("tensor=2,tensr=4")
+    with pytest.raises(ValueError, match="Bad mesh axis 'tensor=0'"):
+        parse_mesh_shape("tensor=0")
+    assert parse_mesh_shape("tensor=4, expert=2") == {"tensor": 4, "expert": 2}
+
+
+def test_plan_command_prints_the_per_device_memory(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    assert main(["plan", str(tmp_path), "--mesh", "tensor=4,expert=2", "--json",
+                 "--batch-size", "8", "--max-length", "4096"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    config = architecture_for(QWEN3_30B_A3B).config_from_hf(QWEN3_30B_A3B)
+    assert printed == memory_plan(config, {"tensor": 4, "expert": 2}, dtype=jnp.bfloat16, batch_size=8, max_length=4096)
+    assert printed["parameter_bytes"] == 30_532_122_624 * 2  # the published parameter count, bfloat16
+    # Everything large is split 8 ways; only norms, router and KV-head-sized leftovers repeat.
+    assert printed["parameter_bytes"] / 8 < printed["parameter_bytes_per_device"] < printed["parameter_bytes"] / 7.5
+    assert printed["cache_bytes_per_device"] * 8 <= printed["cache_bytes"] * 1.001
+    assert main(["plan", str(tmp_path), "--mesh", "expert=4"]) == 0
+    text = capsys.readouterr().out
+    assert "on 4 devices (expert=4)" in text and "per device" in text
+    assert main(["plan", str(tmp_path), "--mesh", "model=2"]) == 2
+    assert "Bad mesh axis 'model=2'" in capsys.readouterr().err
