@@ -135,6 +135,23 @@ def main():
             )
         alone = serve["transformers_generate_alone"]
         print(f"\ntransformers generate, the same request alone: {alone['output_tokens_per_s']:.1f} tok/s")
+    sharded = load("sharding")
+    if sharded:
+        print("\n| model | layout | decode ms/step | tok/s | max logit diff vs 1 device | greedy equal "
+              "| all-reduce | all-gather | reduce-scatter | all-to-all | collective-permute |\n" + "|---" * 11 + "|")
+        for model, entry in sharded["models"].items():
+            for name, run in entry.items():
+                if not isinstance(run, dict) or "ms_per_step" not in run:
+                    continue
+                counts = run["collectives_per_decode_step"]
+                layout = "1 device" if name == "single_device" else " x ".join(f"{a}={n}" for a, n in run["mesh"].items())
+                diff = run.get("max_logit_diff_vs_single_device")
+                print(
+                    f"| {model} | {layout} | {run['ms_per_step']:.0f} | {run['tokens_per_s']:.1f} | "
+                    f"{'-' if diff is None else f'{diff:.1e}'} | {run.get('greedy_tokens_equal', '-')} | "
+                    + " | ".join(str(counts[op]) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                                                            "collective-permute")) + " |"
+                )
     plot(decode, depth, ROOT / "docs" / "benchmarks.png")
 
 

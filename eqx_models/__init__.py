@@ -9,6 +9,7 @@ from .hub import CheckpointError, from_pretrained, save_pretrained
 from .models import supported_model_types
 from .nn.causal_lm import CausalLM
 from .paged_cache import PagedKVCache
+from .sharding import ShardingRules, shard_model
 from .tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
@@ -19,11 +20,13 @@ __all__ = [
     "KVCache",
     "PagedKVCache",
     "Sampling",
+    "ShardingRules",
     "Tokenizer",
     "from_pretrained",
     "generate",
     "load_tokenizer",
     "save_pretrained",
+    "shard_model",
     "stream_generate",
     "supported_model_types",
 ]

@@ -39,6 +39,9 @@ EXPERTS_COMPONENT = "experts."
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
+# Most bytes held at once while reading part of each row of a tensor (a device's
+# block of a weight split along its columns).
+PART_CHUNK_BYTES = 32 * 2**20
 
 
 class CheckpointError(ValueError):
@@ -196,16 +199,22 @@ class _TensorSource:
 
     def read_part_into(self, name: str, part: list[range], out: np.ndarray) -> None:
         """Fills `out` with `tensor[part]` (one step-1 range per axis), reading only
-        the rows of the first axis that the part covers."""
+        the rows of the first axis that the part covers. A part that takes some
+        columns of each row reads whole rows a chunk at a time (at most
+        `PART_CHUNK_BYTES` held), never the whole tensor at once."""
         shape = self.shape(name)
         if not shape:
             return self.read_into(name, out)
-        whole_rows = all(len(r) == size for r, size in zip(part[1:], shape[1:]))
-        if whole_rows:
+        if all(len(r) == size for r, size in zip(part[1:], shape[1:])):
             return self.read_into(name, out, part[0])
-        rows = np.empty((len(part[0]), *shape[1:]), out.dtype)
-        self.read_into(name, rows, part[0])
-        out[...] = rows[(slice(None), *(slice(r.start, r.stop) for r in part[1:]))]
+        row_bytes = math.prod(shape[1:]) * self.dtype(name).itemsize
+        step = max(1, PART_CHUNK_BYTES // row_bytes)
+        columns = tuple(slice(r.start, r.stop) for r in part[1:])
+        for first in range(0, len(part[0]), step):
+            rows = part[0][first : first + step]
+            chunk = np.empty((len(rows), *shape[1:]), out.dtype)
+            self.read_into(name, chunk, rows)
+            out[first : first + len(rows)] = chunk[(slice(None), *columns)]
 
 
 def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:

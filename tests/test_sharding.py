@@ -104,3 +104,37 @@ def test_plan_command_prints_the_per_device_memory(tmp_path, capsys):
     assert "on 4 devices (expert=4)" in text and "per device" in text
     assert main(["plan", str(tmp_path), "--mesh", "model=2"]) == 2
     assert "Bad mesh axis 'model=2'" in capsys.readouterr().err
+
+
+def test_a_device_block_is_read_from_the_file_in_place(tmp_path, monkeypatch):
+    import ml_dtypes
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from eqx_models import hub
+
+    rng = np.random.default_rng(0)
+    tensors = {"w": rng.standard_normal((12, 10)).astype(np.float32),
+               "b": rng.standard_normal((6, 4, 5)).astype(ml_dtypes.bfloat16)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    source = hub._TensorSource([tmp_path / "model.safetensors"])
+    reads = []
+    original = hub._SafetensorsFile.read_into
+    monkeypatch.setattr(hub._SafetensorsFile, "read_into",
+                        lambda self, name, out, rows=None: (reads.append((name, rows)), original(self, name, out, rows)))
+    monkeypatch.setattr(hub, "PART_CHUNK_BYTES", 3 * 10 * 4)  # three rows of w at a time
+
+    out = np.empty((4, 10), np.float32)
+    source.read_part_into("w", [range(4, 8), range(0, 10)], out)  # whole rows: one read of those rows
+    np.testing.assert_array_equal(out, tensors["w"][4:8])
+    assert reads == [("w", range(4, 8))]
+
+    reads.clear()
+    out = np.empty((7, 5), np.float32)
+    source.read_part_into("w", [range(2, 9), range(5, 10)], out)  # half of each row, in chunks
+    np.testing.assert_array_equal(out, tensors["w"][2:9, 5:10])
+    assert reads == [("w", range(2, 5)), ("w", range(5, 8)), ("w", range(8, 9))]
+
+    out = np.empty((2, 4, 2), np.float32)  # bfloat16 on disk, float32 wanted
+    source.read_part_into("b", [range(1, 3), range(0, 4), range(3, 5)], out)
+    np.testing.assert_array_equal(out, tensors["b"][1:3, :, 3:5].astype(np.float32))
