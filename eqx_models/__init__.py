@@ -11,6 +11,7 @@ from .nn.causal_lm import CausalLM
 from .paged_cache import PagedKVCache
 from .sharding import ShardingRules, shard_model
 from .tokenizer import Tokenizer, load_tokenizer
+from .training import causal_lm_loss, make_train_step
 
 __all__ = [
     "CausalLM",
@@ -22,9 +23,11 @@ __all__ = [
     "Sampling",
     "ShardingRules",
     "Tokenizer",
+    "causal_lm_loss",
     "from_pretrained",
     "generate",
     "load_tokenizer",
+    "make_train_step",
     "save_pretrained",
     "shard_model",
     "stream_generate",

@@ -12,7 +12,7 @@ from ..cache import KVCache
 from ..paged_cache import PagedKVCache
 from .. import sharding
 from ..config import DecoderConfig
-from .decoder import Decoder
+from .decoder import REMAT_POLICIES, Decoder
 from .linear import Linear
 
 
@@ -47,6 +47,7 @@ class CausalLM(eqx.Module):
         attention_mask: Int[Array | np.ndarray, "batch seq"] | None = None,
         *,
         logits_to_keep: int | None = None,
+        segment_ids: Int[Array | np.ndarray, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache | PagedKVCache | None]:
         """Next-token logits for every position, and the updated cache.
 
@@ -60,13 +61,16 @@ class CausalLM(eqx.Module):
                 (left padding for a ragged batch). Defaults to all ones.
             logits_to_keep: if given, only the last this-many positions get logits
                 (generation needs one; the vocabulary projection is the costly part).
+            segment_ids: `[batch, seq]` document ids of packed sequences (no cache):
+                tokens attend only within their run of equal ids, and positions
+                restart at the start of each run.
 
         Returns:
             `(logits, cache)`: logits `[batch, seq or logits_to_keep, vocab]` in the
             activation dtype, and the cache with this call's keys/values appended
             (None when no cache was given).
         """
-        return self._forward(input_ids, attention_mask, cache, None, logits_to_keep)
+        return self._forward(input_ids, attention_mask, cache, None, logits_to_keep, segment_ids)
 
     def prefill(
         self,
@@ -83,7 +87,7 @@ class CausalLM(eqx.Module):
         """
         return self._forward(input_ids, attention_mask, None, max_length, logits_to_keep)
 
-    def _forward(self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep):
+    def _forward(self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep, segment_ids=None):
         input_ids = jnp.asarray(input_ids)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
@@ -93,7 +97,10 @@ class CausalLM(eqx.Module):
             input_ids = placement.constrain(input_ids, ("batch", None))
             attention_mask = placement.constrain(attention_mask, ("batch", None))
         with sharding.active(placement):  # blocks traced below see the mesh
-            hidden, cache = self.model(input_ids, attention_mask, cache, new_cache_length=new_cache_length)
+            hidden, cache = self.model(
+                input_ids, attention_mask, cache, new_cache_length=new_cache_length,
+                segment_ids=None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32),
+            )
             if logits_to_keep is not None:
                 hidden = hidden[:, -logits_to_keep:]
             if self.lm_head is None:
@@ -119,6 +126,17 @@ class CausalLM(eqx.Module):
         """The same weights, run with `jax.lax.scan` (True) or an unrolled loop (False)."""
         decoder = copy.copy(self.model)
         object.__setattr__(decoder, "scan_layers", scan_layers)
+        return eqx.tree_at(lambda m: m.model, self, decoder)
+
+    def with_remat(self, policy: str) -> "CausalLM":
+        """The same weights, with each layer's forward pass rematerialised in the
+        backward pass by `policy`: `"none"` (keep every activation), `"full"` (keep
+        only each layer's input; recompute the layer) or `"dots"` (keep the weight
+        matmuls' outputs). Numbers are identical; peak training memory is not."""
+        if policy not in REMAT_POLICIES:
+            raise ValueError(f"Unknown remat policy {policy!r}; choose one of {sorted(REMAT_POLICIES)}.")
+        decoder = copy.copy(self.model)
+        object.__setattr__(decoder, "remat", policy)
         return eqx.tree_at(lambda m: m.model, self, decoder)
 
     def with_placement(self, placement: "sharding.Placement | None") -> "CausalLM":

@@ -17,6 +17,25 @@ from .norm import RMSNorm
 from .rope import RotaryEmbedding
 
 
+# What the backward pass keeps from a layer's forward pass (`CausalLM.with_remat`):
+# "none" keeps everything, "full" only the layer's input (the layer is recomputed),
+# "dots" the outputs of the weight matmuls (the rest is recomputed).
+REMAT_POLICIES = {
+    "none": None,
+    "full": None,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def _positions_in_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
+    """Each token's distance from the first token of its run of equal segment ids."""
+    index = jnp.broadcast_to(jnp.arange(segment_ids.shape[1]), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
 class DecoderLayer(eqx.Module):
     """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
 
@@ -93,6 +112,7 @@ class Decoder(eqx.Module):
     rotary_emb: RotaryEmbedding
     local_rotary_emb: RotaryEmbedding | None
     scan_layers: bool = eqx.field(static=True)
+    remat: str = eqx.field(static=True)
     sliding_window: int | None = eqx.field(static=True)
     sliding_layers: tuple[bool, ...] = eqx.field(static=True)
     embed_scale: float | None = eqx.field(static=True)
@@ -115,6 +135,7 @@ class Decoder(eqx.Module):
             None if config.local_rope_theta is None else RotaryEmbedding(config.head_dim, config.local_rope_theta, None)
         )
         self.scan_layers = scan_layers
+        self.remat = "none"
         self.sliding_window = config.sliding_window
         self.sliding_layers = config.sliding_layers
         self.embed_scale = config.embed_scale
@@ -148,14 +169,19 @@ class Decoder(eqx.Module):
         cache: KVCache | PagedKVCache | None = None,
         *,
         new_cache_length: int | None = None,
+        segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KVCache | PagedKVCache | None]:
         """Runs the stack; returns the final hidden states and the updated cache.
 
         With `cache=None` and `new_cache_length`, the tokens attend only to each
         other and their keys/values go into a new cache of that many slots (a
-        prefill that does not read an empty cache).
+        prefill that does not read an empty cache). `segment_ids` (packed
+        documents, no cache) keeps attention within each run of equal ids and
+        restarts positions at each run's first token.
         """
         seq = input_ids.shape[1]
+        if segment_ids is not None and (cache is not None or new_cache_length is not None):
+            raise ValueError("segment_ids (packed sequences) are for a forward pass without a cache.")
         x = sharding.constrain(self.embed_tokens(input_ids), ("batch", None, None))
         if self.embed_scale is not None:
             x = x * jnp.asarray(self.embed_scale, x.dtype)
@@ -169,6 +195,9 @@ class Decoder(eqx.Module):
             )
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
+        if segment_ids is not None:
+            new_allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+            positions = _positions_in_segments(segment_ids)
         # What a layer attends with, per kind: (rotary tables, new-token mask, cache mask).
         any_sliding, all_sliding = any(self.sliding_layers), all(self.sliding_layers)
         if not all_sliding:
@@ -194,6 +223,10 @@ class Decoder(eqx.Module):
             h, new_kv = layer(h, cos, sin, allowed, layer_kv, allowed_cached)
             return sharding.constrain(h, ("batch", None, None)), new_kv
 
+        if self.remat != "none":
+            # Inside a scan CSE across iterations is impossible anyway; preventing it
+            # only costs (as jax.checkpoint's documentation advises for loops).
+            run_layer = jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
         indices = jnp.arange(self.num_layers, dtype=jnp.int32)
         if self.scan_layers:
             x, (new_keys, new_values) = jax.lax.scan(run_layer, x, indices)
