@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from . import __version__
 
@@ -124,6 +125,70 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _finetune(args: argparse.Namespace) -> int:
+    import shutil
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from tqdm import tqdm
+
+    from .data import pack, read_documents
+    from .hub import TOKENIZER_FILES, from_pretrained, resolve_model_dir, save_pretrained
+    from .lora import apply_lora, lora_filter, merge_lora, save_adapters
+    from .tokenizer import load_tokenizer
+    from .training import make_train_step
+
+    for name in ("steps", "batch_size", "seq_len"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
+    print(f"Loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
+    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision)
+    tokenizer = load_tokenizer(args.model, revision=args.revision)
+    limit = model.config.max_position_embeddings
+    if args.seq_len > limit:
+        raise ValueError(f"--seq-len {args.seq_len} is longer than the model's max_position_embeddings ({limit}).")
+    data = pack(read_documents(args.data, tokenizer, max_tokens=args.seq_len), args.seq_len,
+                pad_token_id=(tokenizer.eos_token_ids or [0])[0])
+    rows = data["input_ids"].shape[0]
+    print(f"{rows} packed rows of {args.seq_len} tokens from {args.data}", file=sys.stderr, flush=True)
+
+    key = jax.random.key(args.seed)
+    trainable = None
+    if args.lora_rank:
+        model = apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, key=key)
+        trainable = lora_filter(model)
+    model = model.with_remat(args.remat)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, min(args.warmup_steps, args.steps),
+                                                  args.steps, end_value=args.learning_rate * 0.1)
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, weight_decay=0.0))
+    init, step = make_train_step(optimizer, **({"trainable": trainable} if trainable is not None else {}),
+                                 accumulation_steps=args.accumulation_steps)
+    opt_state = init(model)
+    order = np.random.default_rng(args.seed)
+    progress = tqdm(range(args.steps), desc="finetune", unit="step", file=sys.stderr)
+    started, tokens = time.perf_counter(), 0
+    for _ in progress:
+        picked = order.integers(0, rows, args.batch_size)
+        model, opt_state, metrics = step(model, opt_state, {k: v[picked] for k, v in data.items()})
+        tokens += int(metrics["tokens"])
+        progress.set_postfix(loss=f"{float(metrics['loss']):.4f}", tok_s=f"{tokens / (time.perf_counter() - started):.0f}")
+
+    out = Path(args.out)
+    if args.lora_rank:
+        save_adapters(model, out / "adapter", base_model_name_or_path=str(args.model))
+        model = merge_lora(model)
+    save_pretrained(model.with_remat("none"), out)
+    source = resolve_model_dir(args.model, revision=args.revision, allow_patterns=TOKENIZER_FILES)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists() and not (out / name).exists():
+            shutil.copy(source / name, out / name)
+    print(f"Saved to {out} (from_pretrained loads it){'; adapters in ' + str(out / 'adapter') if args.lora_rank else ''}",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
     parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
@@ -179,6 +244,27 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="Print the plan as JSON.")
     plan.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     plan.set_defaults(run=_plan)
+
+    tune = commands.add_parser("finetune", help="Fine-tune on a JSON-lines file (LoRA or full); saves a loadable model.")
+    tune.add_argument("model", help="Hugging Face hub id or a local folder.")
+    tune.add_argument("--data", required=True,
+                      help='JSON lines: {"text": ...} or {"prompt": ..., "completion": ...} (loss on the completion).')
+    tune.add_argument("--out", required=True, help="Folder for the result (config.json, safetensors, tokenizer).")
+    tune.add_argument("--steps", type=int, default=100)
+    tune.add_argument("--lora-rank", type=int, default=8, help="0 trains every weight instead of adapters.")
+    tune.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: the rank).")
+    tune.add_argument("--lora-targets", default="q_proj|k_proj|v_proj|o_proj", help="Regex of projections to adapt.")
+    tune.add_argument("--learning-rate", type=float, default=1e-3)
+    tune.add_argument("--warmup-steps", type=int, default=10)
+    tune.add_argument("--max-grad-norm", type=float, default=1.0)
+    tune.add_argument("--batch-size", type=int, default=8, help="Packed rows per step.")
+    tune.add_argument("--accumulation-steps", type=int, default=1, help="Micro-batches per step (divides --batch-size).")
+    tune.add_argument("--seq-len", type=int, default=256, help="Tokens per packed row.")
+    tune.add_argument("--remat", choices=["none", "dots", "full"], default="none", help="Rematerialisation policy.")
+    tune.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
+    tune.set_defaults(run=_finetune)
     return parser
 
 

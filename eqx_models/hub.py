@@ -229,13 +229,19 @@ def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64)
 
 
 def _to_jax(array: np.ndarray) -> jax.Array:
-    """The array as a JAX array, without a copy on the CPU backend when possible."""
+    """The array as a JAX array on the default device, without a copy on the CPU
+    backend when possible.
+
+    Committed to that device whichever way it is made, as the outputs of jitted
+    functions are: a train step that returns the model would otherwise see
+    uncommitted weights once and committed ones after, and compile twice.
+    """
     if jax.default_backend() == "cpu":
         try:
-            return jax.dlpack.from_dlpack(array)
+            return jax.device_put(jax.dlpack.from_dlpack(array), jax.devices()[0])
         except (TypeError, BufferError, RuntimeError, ValueError):  # e.g. bfloat16 via dlpack
             pass
-    return jnp.asarray(array)
+    return jax.device_put(array, jax.devices()[0])
 
 
 def _leaf_names(path) -> str:
@@ -406,6 +412,11 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     as `transformers` does; `transformers` and `from_pretrained` both load them.
     Only one shard is held on the host at a time.
     """
+    if any("lora_" in _leaf_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]):
+        raise ValueError(
+            "The model carries LoRA adapters, which have no place in a transformers checkpoint: save "
+            "eqx_models.lora.merge_lora(model), or the adapters alone with eqx_models.lora.save_adapters."
+        )
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, Float, Int
 
 IGNORE_INDEX = -100  # label of a position that does not count, as in transformers
@@ -78,6 +79,25 @@ def _widen(tree):
     return jax.tree.map(lambda a: a.astype(jnp.float32) if eqx.is_inexact_array(a) else a, tree)
 
 
+def _place_like(state, params):
+    """`state` committed where `params` live: subtrees shaped like `params` (Adam's
+    moments, ...) leaf by leaf with the parameters' shardings, anything else beside
+    the first parameter (replicated over its mesh). The states `step` returns are
+    committed; an uncommitted first state would make the second step compile again."""
+    arrays = [p for p in jax.tree.leaves(params) if eqx.is_array(p)]
+    first = arrays[0].sharding
+    beside = NamedSharding(first.mesh, PartitionSpec()) if isinstance(first, NamedSharding) else first
+    structure = jax.tree.structure(params)
+    like_params = lambda node: not eqx.is_array(node) and jax.tree.structure(node) == structure
+
+    def place(node):
+        if like_params(node):
+            return jax.tree.map(lambda a, p: jax.device_put(a, p.sharding), node, params)
+        return jax.device_put(node, beside) if eqx.is_array(node) else node
+
+    return jax.tree.map(place, state, is_leaf=like_params)
+
+
 def make_train_step(
     optimizer: optax.GradientTransformation,
     *,
@@ -107,7 +127,8 @@ def make_train_step(
         raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}.")
 
     def init(model):
-        return optimizer.init(_widen(eqx.filter(model, trainable)))
+        params = _widen(eqx.filter(model, trainable))
+        return _place_like(optimizer.init(params), params)
 
     @eqx.filter_jit(donate="all")
     def step(model, opt_state, batch):

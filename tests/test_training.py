@@ -9,7 +9,6 @@ import optax
 import pytest
 import torch
 
-import eqx_models
 from eqx_models import causal_lm_loss, from_pretrained
 from eqx_models.hub import _hf_tensors
 from eqx_models.models import architecture_for
@@ -131,8 +130,14 @@ def test_training_lowers_the_loss_in_float32_and_bfloat16(checkpoint_factory):
         opt_state = init(model)
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(opt_state) if eqx.is_inexact_array(leaf))
         losses = []
-        for _ in range(20):
+        compiles = []
+        listener = lambda event, duration, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+        for i in range(20):
+            if i == 1:  # the first step compiles; the states it returns must not make the next compile again
+                jax.monitoring.register_event_duration_secs_listener(listener)
             model, opt_state, metrics = step(model, opt_state, dict(batch))
             losses.append(float(metrics["loss"]))
+        jax.monitoring.unregister_event_duration_listener(listener)
+        assert compiles == [], dtype
         assert model.dtype == dtype
         assert losses[-1] < 0.5 * losses[0], (dtype, losses)

@@ -64,7 +64,7 @@ def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> li
     """`[layer(x) for layer in layers]`, as one operation over all their weights
     (see `project_many`)."""
     outs = project_many(x, [l.weight for l in layers])
-    return [y if l.bias is None else (y + l.bias).astype(x.dtype) for y, l in zip(outs, layers)]
+    return [l.finish(x, y) for y, l in zip(outs, layers)]
 
 
 def project_many(
@@ -107,10 +107,11 @@ class Linear(eqx.Module):
         self.bias = jnp.zeros((out_features,)) if use_bias else None
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
-        y = project(x, self.weight)
-        if self.bias is not None:
-            y = y + self.bias
-        return y
+        return self.finish(x, project(x, self.weight))
+
+    def finish(self, x: Float[Array, "*batch in"], y: Float[Array, "*batch out"]) -> Float[Array, "*batch out"]:
+        """`y = x @ weight.T` completed into this layer's output (the bias added)."""
+        return y if self.bias is None else (y + self.bias).astype(x.dtype)
 
     def select_layer(self, index: Int[Array, ""]) -> "Linear":
         """This stacked `Linear`'s layer `index`, with the weight left in the stack."""
