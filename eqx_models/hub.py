@@ -374,24 +374,32 @@ def _load_leaf(source: _TensorSource, names: list[str], stacked: tuple[int, ...]
 
 def _load_sharded_leaf(source, names, stacked, shape, dtype, sharding) -> jax.Array:
     """Each addressable device's block of the stacked leaf, read from the files
-    (only the layers, experts and rows the block covers; blocks that several
-    devices hold are read once)."""
+    (only the layers, experts and rows the block covers) and put on its device
+    before the next is read, so the host holds one block at a time; a block that
+    several devices share is read once."""
     global_shape = (*stacked, *shape)
-    blocks: dict[tuple, np.ndarray] = {}
-
-    def block(index: tuple[slice, ...]) -> np.ndarray:
-        ranges = [range(*s.indices(size)) for s, size in zip(index, global_shape)]
-        key = tuple((r.start, r.stop) for r in ranges)
-        if key not in blocks:
+    targets = sharding.addressable_devices_indices_map(global_shape)
+    ranges_of = {d: [range(*s.indices(size)) for s, size in zip(index, global_shape)] for d, index in targets.items()}
+    key = lambda ranges: tuple((r.start, r.stop) for r in ranges)
+    uses: dict[tuple, int] = {}
+    for ranges in ranges_of.values():
+        uses[key(ranges)] = uses.get(key(ranges), 0) + 1
+    held: dict[tuple, np.ndarray] = {}
+    pieces = []
+    for device, ranges in ranges_of.items():
+        k = key(ranges)
+        if k not in held:
             out = np.empty([len(r) for r in ranges], dtype)
             per_tensor = out.reshape(-1, *out.shape[len(stacked):])
             for i, position in enumerate(itertools.product(*ranges[: len(stacked)])):
                 name = names[int(np.ravel_multi_index(position, stacked))] if stacked else names[0]
                 source.read_part_into(name, ranges[len(stacked):], per_tensor[i])
-            blocks[key] = out
-        return blocks[key]
-
-    return jax.make_array_from_callback(global_shape, sharding, block)
+            held[k] = out
+        pieces.append(jax.device_put(held[k], device))
+        uses[k] -= 1
+        if not uses[k]:
+            del held[k]
+    return jax.make_array_from_single_device_arrays(global_shape, sharding, pieces)
 
 
 def _hf_tensors(model: CausalLM, rename) -> list[tuple[str, jax.Array, tuple[int, ...]]]:

@@ -150,7 +150,7 @@ class Placement:
 
     def spec(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...]) -> PartitionSpec:
         counts = dict(self.head_counts)
-        sizes = tuple(counts.get(name, size) if name in counts else size for name, size in zip(logical_axes, shape))
+        sizes = tuple(counts.get(name, size) for name, size in zip(logical_axes, shape))
         return partition_spec(logical_axes, sizes, self.rules, self.axis_sizes)
 
     def sharding(self, logical_axes: tuple[str | None, ...], shape: tuple[int, ...]) -> NamedSharding:
@@ -415,10 +415,12 @@ def memory_plan(
         "cache_bytes_per_device": 0,
     }
     if batch_size and max_length:
+        # As `init_cache` makes it: a ring of `sliding_window` slots when every layer slides.
+        window = config.sliding_window if config.sliding_layers and all(config.sliding_layers) else None
         cache = jax.eval_shape(
             lambda: KVCache.empty(
                 config.num_hidden_layers, batch_size, config.num_key_value_heads, max_length, config.head_dim,
-                dtype or jnp.float32,
+                dtype or jnp.float32, window,
             )
         )
         plan["cache_bytes"] = total(cache)

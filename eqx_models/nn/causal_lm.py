@@ -1,6 +1,7 @@
 """A decoder with a language-model head: the model `from_pretrained` returns."""
 
 import copy
+import functools
 
 import equinox as eqx
 import jax
@@ -14,6 +15,14 @@ from .. import sharding
 from ..config import DecoderConfig
 from .decoder import REMAT_POLICIES, Decoder
 from .linear import Linear
+
+
+@functools.lru_cache(maxsize=32)
+def _placed_cache_maker(shape: tuple, placement: "sharding.Placement"):
+    """A jitted `KVCache.empty(*shape)` whose arrays are made on their shards (one
+    compilation per cache shape and layout)."""
+    make = lambda: KVCache.empty(*shape)
+    return jax.jit(make, out_shardings=sharding.shardings(jax.eval_shape(make), placement))
 
 
 class CausalLM(eqx.Module):
@@ -151,16 +160,8 @@ class CausalLM(eqx.Module):
         sliding-window attention, a ring of at most `sliding_window` slots that takes
         any number of tokens). On a mesh, created split by batch and KV heads."""
         c = self.config
-        make = lambda: KVCache.empty(
-            c.num_hidden_layers,
-            batch_size,
-            c.num_key_value_heads,
-            max_length,
-            c.head_dim,
-            dtype or self.dtype,
-            self.model.ring_window,
-        )
+        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim,
+                 jnp.dtype(dtype or self.dtype), self.model.ring_window)
         if self.placement is None:
-            return make()
-        shape = eqx.filter_eval_shape(make)
-        return jax.jit(make, out_shardings=sharding.shardings(shape, self.placement))()
+            return KVCache.empty(*shape)
+        return _placed_cache_maker(shape, self.placement)()

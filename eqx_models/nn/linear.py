@@ -85,7 +85,7 @@ def project_many(
         else:
             outs = [project(x, w) for w in weights]
     elif spans_devices():  # weights split over a mesh: a concatenation would reshard them
-        outs = [jnp.einsum("...i,oi->...o", x, w.materialize() if isinstance(w, LayerSlice) else w) for w in weights]
+        outs = [project(x, w) for w in weights]
     else:
         weights = [w.materialize() if isinstance(w, LayerSlice) else w for w in weights]
         joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))

@@ -10,6 +10,8 @@ decode each used expert is one block; blocks past the last used one are skipped.
 No token is dropped.
 """
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -136,7 +138,7 @@ class SparseMoeBlock(eqx.Module):
         # different experts (each block then reads its expert once, in place); for a
         # long prompt, blocks tall enough that XLA's matmul pays for copying the
         # expert's weights out (measured: 64-row blocks prefill 2x faster than 16).
-        share = -(-count // (local_experts or num_experts))
+        share = -(-count // self.num_experts)  # assignments per expert (all devices' experts)
         block_rows = min(MAX_BLOCK_ROWS, 1 << (share - 1).bit_length())
         rows, block_expert, used = expert_blocks(chosen.reshape(-1), num_experts, block_rows, counted=local_experts)
         padded = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])
@@ -152,7 +154,9 @@ class SparseMoeBlock(eqx.Module):
                 gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
                 return project(act(gate) * up, _expert_weight(down_w, expert))
 
-            out = jax.lax.cond(index < used, compute, lambda: jnp.zeros(token_rows.shape + (hidden,), tokens.dtype))
+            out = jax.lax.cond(
+                index < used, compute, lambda: _zeros_varying_like((token_rows.shape[0], hidden), tokens.dtype, padded, *stacks)
+            )
             return None, out
 
         indices = jnp.arange(rows.shape[0])
@@ -165,67 +169,93 @@ class SparseMoeBlock(eqx.Module):
         return out[:-1]
 
     def _on_mesh(self, x, placement):
-        """The experts on a mesh, as one program per device (`shard_map`): each device
-        takes its own tokens (all tokens of its `expert` group when the experts are
-        split over `expert`) and runs them through its own experts and its slice of
-        their MLP width (split over `tensor`); the partial outputs are summed over
-        `tensor` and summed back onto the devices that own the tokens over `expert`
-        (all-gather + reduce-scatter; attention stays data-parallel). Expert weights
-        split along `embed` (FSDP) are gathered for the call, as is the router. Routing
-        and sorting assignments per device keep the batch split (a global top-k and
-        sort would gather every token)."""
-        token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
-        token_axes = _axes(token_spec[0] if len(token_spec) else None)
-        experts_split = _splits_experts(placement, self.num_experts)
-        split_tokens = experts_split and "expert" in token_axes
-        local = self.num_experts // placement.axis_sizes["expert"] if experts_split else self.num_experts
+        """The experts on a mesh, as one program per device (`shard_map`).
 
-        stacks, indices, specs = [], [], []
+        Each device takes its own tokens, plus those of the devices that share its
+        token rows but hold other experts or another slice of the MLP width (the
+        `expert` and, under Megatron rules, `tensor` axes), routes them, and runs the
+        assignments to its own experts with its own width slice. The partial outputs
+        are summed (float32) back onto the devices that own the tokens: a
+        reduce-scatter over the axes the tokens were gathered over, an all-reduce over
+        the rest. So expert parallelism moves tokens, not weights, and attention stays
+        data-parallel across `expert`. Routing and sorting per device keep a split
+        batch split (a global top-k and sort would gather every token). Only this
+        layer's expert weights enter, so weights split along `embed` (FSDP) are
+        gathered one layer at a time.
+        """
+        token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
+        token_axes = _axes(_entry(token_spec, 0))
+        weights, specs = [], []
         for linear, own in ((self.experts.gate_proj, ("mlp", None)), (self.experts.up_proj, ("mlp", None)),
                             (self.experts.down_proj, (None, "mlp"))):
-            weight = linear.weight
-            stack, index = (weight.stack, weight.index) if isinstance(weight, LayerSlice) else (weight, None)
-            axes = (None,) * (stack.ndim - 3) + ("experts",) + own
-            spec = placement.spec(axes, stack.shape)
-            stacks.append(stack)
-            indices.append(index)
-            specs.append(spec)
-        width_axes = _axes(_entry(specs[0], stacks[0].ndim - 2))  # mesh axes splitting the MLP width
+            weight = linear.weight.materialize() if isinstance(linear.weight, LayerSlice) else linear.weight
+            spec = placement.spec(("experts",) + own, weight.shape)
+            weights.append(weight)
+            specs.append(PartitionSpec(_entry(spec, 0), *(None if a == "embed" else e for a, e in zip(own, spec[1:]))))
+        expert_axes = _axes(_entry(specs[0], 0))
+        width_axes = _axes(_entry(specs[0], 1))
+        partial_axes = expert_axes + width_axes  # devices whose outputs are partial sums
+        gather_axes = tuple(a for a in token_axes if a in partial_axes)
+        sum_axes = tuple(a for a in partial_axes if a not in gather_axes)
+        sizes = placement.axis_sizes
+        local = self.num_experts // math.prod(sizes[a] for a in expert_axes)
+        router = self.gate.weight.materialize() if isinstance(self.gate.weight, LayerSlice) else self.gate.weight
 
-        router = self.gate.weight
-        router_stack, router_index = (router.stack, router.index) if isinstance(router, LayerSlice) else (router, None)
-
-        def on_device(x, router_stack, router_index, router_bias, stacks, indices):
+        def on_device(x, router, router_bias, weights):
             tokens = x.reshape(-1, x.shape[-1])
-            if split_tokens:
-                tokens = jax.lax.all_gather(tokens, "expert", tiled=True)
-            router = router_stack if router_index is None else LayerSlice(router_stack, router_index)
-            logits = project(tokens, router) if router_bias is None else project(tokens, router) + router_bias
-            weights, chosen = route(logits, self.top_k, self.norm_topk_prob)
-            views = tuple(s if i is None else LayerSlice(s, i) for s, i in zip(stacks, indices))
-            if experts_split:
-                first = jax.lax.axis_index("expert") * local
+            if gather_axes:
+                tokens = jax.lax.all_gather(tokens, gather_axes, tiled=True)
+            # Everything the expert loop reads varies over the same axes from here on:
+            # otherwise JAX casts inside its `cond` branches, and those casts
+            # transpose to collectives that only the devices taking a branch reach.
+            tokens, *weights = _vary_alike(tokens, *weights)
+            logits = project(tokens, router)
+            weights_of, chosen = route(logits if router_bias is None else logits + router_bias, self.top_k,
+                                       self.norm_topk_prob)
+            if expert_axes:
+                first = jax.lax.axis_index(expert_axes) * local
                 mine = (chosen >= first) & (chosen < first + local)
                 chosen = jnp.where(mine, chosen - first, local)  # `local`: another device's expert
-                weights = jnp.where(mine, weights, 0)
-                out = self._run_experts(tokens, weights, chosen, views, local + 1, local_experts=local)
+                weights_of = jnp.where(mine, weights_of, 0)
+                out = self._run_experts(tokens, weights_of, chosen, weights, local + 1, local_experts=local)
             else:
-                out = self._run_experts(tokens, weights, chosen, views, local)
-            if width_axes:
-                out = jax.lax.psum(out, width_axes)
-            if split_tokens:
-                out = jax.lax.psum_scatter(out, "expert", tiled=True)
-            elif experts_split:
-                out = jax.lax.psum(out, "expert")
-            return out.reshape(x.shape)
+                out = self._run_experts(tokens, weights_of, chosen, weights, local)
+            out = out.astype(jnp.float32)
+            if gather_axes:
+                out = jax.lax.psum_scatter(out, gather_axes, tiled=True)
+            if sum_axes:
+                out = jax.lax.psum(out, sum_axes)
+            return out.astype(x.dtype).reshape(x.shape)
 
         return jax.shard_map(
             on_device,
             mesh=placement.mesh,
-            in_specs=(token_spec, PartitionSpec(), PartitionSpec(), PartitionSpec(), tuple(specs), (PartitionSpec(),) * 3),
+            in_specs=(token_spec, PartitionSpec(), PartitionSpec(), tuple(specs)),
             out_specs=token_spec,
-            check_vma=False,
-        )(x, router_stack, router_index, self.gate.bias, tuple(stacks), tuple(indices))
+        )(x, router, self.gate.bias, tuple(weights))
+
+
+def _vary_alike(*arrays) -> list[Array]:
+    """`arrays`, each cast (inside `shard_map`) to vary over every mesh axis that any
+    of them varies over."""
+    varying = lambda a: set(jax.typeof(a).manual_axis_type.varying)
+    union = set().union(*map(varying, arrays))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(union - varying(a)))
+        out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+    return out
+
+
+def _zeros_varying_like(shape, dtype, *references) -> Array:
+    """Zeros that, inside `shard_map`, vary over the same mesh axes as any of
+    `references` (the other branch of a `cond` computes from them, and both branches
+    must have one type). Made by arithmetic on one element of each: a `pcast`
+    would transpose to a collective inside the branch that only some devices take,
+    and the backward pass would deadlock."""
+    arrays = [r.stack if isinstance(r, LayerSlice) else r for r in references]
+    zero = sum(jnp.zeros_like(a.reshape(-1)[0]).astype(dtype) for a in arrays)
+    return jnp.broadcast_to(zero, shape)
 
 
 def _axes(entry) -> tuple[str, ...]:
@@ -235,12 +265,6 @@ def _axes(entry) -> tuple[str, ...]:
 
 def _entry(spec: PartitionSpec, axis: int):
     return spec[axis] if axis < len(spec) else None
-
-
-def _splits_experts(placement, num_experts: int) -> bool:
-    """Whether the experts are split over the mesh's `expert` axis."""
-    parts = placement.axis_sizes.get("expert", 1)
-    return parts > 1 and "expert" in placement.rules.mesh_axes("experts") and num_experts % parts == 0
 
 
 def dense_mlp(config: DecoderConfig, key: PRNGKeyArray) -> GatedMLP:

@@ -27,6 +27,7 @@ MODELS = {
     "qwen3": ("qwen3", DENSE),
     "qwen3_moe": ("qwen3_moe", MOE),
     "qwen3_two_kv_heads": ("qwen3", dict(DENSE, num_key_value_heads=2)),
+    "qwen3_moe_mixed": ("qwen3_moe", dict(MOE, mlp_only_layers=[0])),  # a dense and a sparse layer
 }
 # name -> mesh shape, the specs some weights must get, the KV cache's spec.
 PRESETS = {
@@ -74,12 +75,12 @@ def test_eight_devices():
     assert jax.device_count() == 8, "run with XLA_FLAGS=--xla_force_host_platform_device_count=8"
 
 
-def prompts() -> tuple[np.ndarray, np.ndarray]:
-    """Eight left-padded prompts of different lengths."""
+def prompts(rows: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompts of different lengths."""
     rng = np.random.default_rng(0)
-    lengths = [12, 5, 9, 12, 1, 7, 12, 3]
-    ids = np.zeros((8, 12), np.int32)
-    mask = np.zeros((8, 12), np.int32)
+    lengths = [12, 5, 9, 12, 1, 7, 12, 3][:rows]
+    ids = np.zeros((rows, 12), np.int32)
+    mask = np.zeros((rows, 12), np.int32)
     for row, length in enumerate(lengths):
         ids[row, 12 - length:] = rng.integers(0, 128, length)
         mask[row, 12 - length:] = 1
@@ -197,6 +198,42 @@ def test_named_presets_lay_out_only_their_axes(references, preset, shape):
     ids, mask = prompts()
     logits, _ = model(ids, attention_mask=mask)
     assert np.max(np.abs(np.asarray(logits) - expected["logits"])) < 1e-4
+
+
+@pytest.mark.parametrize("model_name,shape,rules,rows", [
+    ("qwen3_moe", {"data": 4, "tensor": 2}, {"batch": "data", "experts": "tensor"}, 8),  # experts over tensor
+    ("qwen3_moe", {"data": 4, "tensor": 2}, {"batch": ("data", "tensor"), "mlp": "tensor"}, 8),  # shared axis
+    ("qwen3_moe", {"data": 2, "expert": 4}, None, 6),  # 6 rows: split over data only
+    ("qwen3_moe_mixed", {"data": 2, "expert": 4}, None, 8),
+    ("qwen3_moe_mixed", {"fsdp": 2, "tensor": 2, "expert": 2}, None, 8),
+    ("qwen3", {"data": 8}, None, 5),  # 5 rows over 8: replicated
+])
+def test_other_layouts_equal_single_device(references, model_name, shape, rules, rows):
+    folder, _ = references[model_name]
+    ids, mask = prompts(rows)
+    single = from_pretrained(folder, dtype=jnp.float32)
+    model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(shape), sharding=rules)
+    expected, got = run(single, ids, mask), run(model, ids, mask)
+    assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
+    assert np.max(np.abs(got["stepwise"] - expected["stepwise"])) < 1e-4
+    np.testing.assert_array_equal(got["tokens"], expected["tokens"])
+
+
+@pytest.mark.parametrize("model_name,shape", [
+    ("qwen3_moe", {"data": 2, "expert": 4}), ("qwen3_moe", {"data": 4, "tensor": 2}), ("qwen3", {"fsdp": 2, "tensor": 4}),
+])
+def test_loss_and_gradients_on_a_mesh_equal_single_device(references, model_name, shape):
+    from eqx_models import causal_lm_loss
+
+    folder, _ = references[model_name]
+    ids, mask = prompts()
+    labels = np.where(mask == 1, ids, -100)
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(causal_lm_loss))
+    loss, grads = grad(from_pretrained(folder, dtype=jnp.float32), ids, labels, mask)
+    mesh_loss, mesh_grads = grad(from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(shape)), ids, labels, mask)
+    assert abs(float(mesh_loss) - float(loss)) < 1e-5
+    for a, b in zip(jax.tree.leaves(eqx.filter(mesh_grads, eqx.is_array)), jax.tree.leaves(eqx.filter(grads, eqx.is_array))):
+        assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-4 * max(np.max(np.abs(np.asarray(b))), 1e-6)
 
 
 PUBLISHED = {"qwen3_30b_a3b": QWEN3_30B_A3B, "llama_3_1_70b": LLAMA_3_1_70B}
