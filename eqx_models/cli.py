@@ -128,6 +128,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _finetune(args: argparse.Namespace) -> int:
     import shutil
 
+    import equinox as eqx
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -155,7 +156,7 @@ def _finetune(args: argparse.Namespace) -> int:
     print(f"{rows} packed rows of {args.seq_len} tokens from {args.data}", file=sys.stderr, flush=True)
 
     key = jax.random.key(args.seed)
-    trainable = None
+    trainable = eqx.is_inexact_array  # every weight, unless adapters train alone
     if args.lora_rank:
         model = apply_lora(model, rank=args.lora_rank, alpha=args.lora_alpha, targets=args.lora_targets, key=key)
         trainable = lora_filter(model)
@@ -163,8 +164,7 @@ def _finetune(args: argparse.Namespace) -> int:
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.learning_rate, min(args.warmup_steps, args.steps),
                                                   args.steps, end_value=args.learning_rate * 0.1)
     optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, weight_decay=0.0))
-    init, step = make_train_step(optimizer, **({"trainable": trainable} if trainable is not None else {}),
-                                 accumulation_steps=args.accumulation_steps)
+    init, step = make_train_step(optimizer, trainable=trainable, accumulation_steps=args.accumulation_steps)
     opt_state = init(model)
     order = np.random.default_rng(args.seed)
     progress = tqdm(range(args.steps), desc="finetune", unit="step", file=sys.stderr)

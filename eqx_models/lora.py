@@ -137,9 +137,15 @@ def lora_filter(model):
     )
 
 
-def _adapters(model) -> list[tuple[str, LoraLinear]]:
+def _adapters(model) -> list[tuple[str, tuple, LoraLinear]]:
+    """`(dotted path, tree path, adapter)` of every `LoraLinear` in `model`."""
     found = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda n: isinstance(n, LoraLinear))[0]
-    return [(_leaf_names(path), node) for path, node in found if isinstance(node, LoraLinear)]
+    return [(_leaf_names(path), path, node) for path, node in found if isinstance(node, LoraLinear)]
+
+
+def _replace(model, adapters, replacements):
+    """`model` with the modules at the `adapters`' paths replaced, in order."""
+    return eqx.tree_at(lambda m: [_node(m, path) for _, path, _ in adapters], model, replacements)
 
 
 def merge_lora(model):
@@ -149,14 +155,12 @@ def merge_lora(model):
     if not adapters:
         return model
     merged = []
-    for _, node in adapters:
+    for _, _, node in adapters:
         delta = node.scaling * jnp.einsum("...or,...ri->...oi", node.lora_B.astype(jnp.float32),
                                           node.lora_A.astype(jnp.float32))
         base = node.base
         merged.append(eqx.tree_at(lambda l: l.weight, base, (base.weight.astype(jnp.float32) + delta).astype(base.weight.dtype)))
-    paths = [p for p, n in jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda n: isinstance(n, LoraLinear))[0]
-             if isinstance(n, LoraLinear)]
-    return eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, merged)
+    return _replace(model, adapters, merged)
 
 
 def _peft_names(model, name: str, leaf: Array, part: str) -> list[str]:
@@ -177,7 +181,7 @@ def save_adapters(model, directory: str | os.PathLike, *, base_model_name_or_pat
     directory.mkdir(parents=True, exist_ok=True)
     tensors = {}
     ranks, scalings = set(), set()
-    for name, node in adapters:
+    for name, _, node in adapters:
         for part in ("lora_A", "lora_B"):
             leaf = getattr(node, part)
             names = _peft_names(model, name, leaf, part)
@@ -194,7 +198,7 @@ def save_adapters(model, directory: str | os.PathLike, *, base_model_name_or_pat
         "lora_alpha": scaling * rank,
         "lora_dropout": 0.0,
         "bias": "none",
-        "target_modules": sorted({name.rsplit(".", 1)[-1] for name, _ in adapters}),
+        "target_modules": sorted({name.rsplit(".", 1)[-1] for name, _, _ in adapters}),
         "base_model_name_or_path": base_model_name_or_path,
         "fan_in_fan_out": False,
         "inference_mode": True,
@@ -219,7 +223,8 @@ def load_adapters(model, directory: str | os.PathLike):
     model = apply_lora(model, rank=config["r"], alpha=config["lora_alpha"], targets=pattern, key=jax.random.key(0))
     saved = load_file(directory / ADAPTER_WEIGHTS)
     filled, used = [], set()
-    for name, node in _adapters(model):
+    adapters = _adapters(model)
+    for name, _, node in adapters:
         parts = []
         for part in ("lora_A", "lora_B"):
             leaf = getattr(node, part)
@@ -234,6 +239,4 @@ def load_adapters(model, directory: str | os.PathLike):
     unexpected = sorted(set(saved) - used)
     if unexpected:
         raise ValueError(f"{directory / ADAPTER_WEIGHTS} has tensors no adapter takes: {unexpected[:5]}.")
-    paths = [p for p, n in jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda n: isinstance(n, LoraLinear))[0]
-             if isinstance(n, LoraLinear)]
-    return eqx.tree_at(lambda m: [_node(m, p) for p in paths], model, filled)
+    return _replace(model, adapters, filled)
