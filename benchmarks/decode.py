@@ -48,17 +48,27 @@ QWEN3_0_6B = dict(
 def read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 10) -> dict[str, float]:
     """Best read bandwidth over a 1 GiB float32 buffer, with all cores and with one.
 
-    Two memory-bound kernels (a sum and a matrix-vector product) each read the buffer
-    once; the best time of either is taken as what the memory bus delivers.
+    Memory-bound kernels that each read the buffer once: torch's sum and
+    matrix-vector product (all cores, then one), and with all cores also our own
+    matrix-vector kernel on the same bytes (on some CPUs it streams faster than
+    torch's, and a floor below what a plain read reaches would flatter decode).
+    The best time is taken as what the memory bus delivers.
     """
+    from eqx_models.kernels import kernels_available, stacked_matvec
+
     data = torch.ones(nbytes // 4)
     matrix, vector = data.view(4096, -1), torch.ones(nbytes // 4 // 4096)
+    ours = []
+    if kernels_available():
+        stack, x = jnp.ones((1, nbytes // 4 // 1024, 1024)), jnp.ones((1, 1024))
+        product = jax.jit(stacked_matvec)
+        ours = [lambda: product(x, stack, jnp.int32(0)).block_until_ready()]
     out = {}
     previous = torch.get_num_threads()
     for threads in (previous, 1):
         torch.set_num_threads(threads)
         best = float("inf")
-        for kernel in (data.sum, lambda: torch.mv(matrix, vector)):
+        for kernel in (data.sum, lambda: torch.mv(matrix, vector), *(ours if threads == previous else ())):
             kernel()
             for _ in range(repeats):
                 start = time.perf_counter()

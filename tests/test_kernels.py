@@ -31,27 +31,31 @@ def test_kernels_build_here():
     assert kernels_status() == "ready"
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+# Activations that are bfloat16 values (a bfloat16 model's) take the CPU's bfloat16
+# dot-product instruction where it has one; any other float32 takes the widening path.
+@pytest.mark.parametrize("dtype, activations", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                                (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17])
 @pytest.mark.parametrize("out_features, in_features", [(37, 19), (64, 1024), (130, 48), (20, 70)])
-def test_stacked_matvec_equals_dot_of_the_slice(dtype, rows, out_features, in_features):
+def test_stacked_matvec_equals_dot_of_the_slice(dtype, activations, rows, out_features, in_features):
     rng = np.random.default_rng(rows * 1000 + out_features + in_features)
     stack = jnp.asarray(rng.standard_normal((3, out_features, in_features)), dtype)
-    x = jnp.asarray(rng.standard_normal((rows, in_features)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, in_features)), activations).astype(jnp.float32)
     exact = np.asarray(x, np.float64) @ np.asarray(stack[2].astype(jnp.float32), np.float64).T
     got = jax.jit(stacked_matvec)(x, stack, jnp.int32(2))
     assert got.shape == (rows, out_features) and got.dtype == jnp.float32
     np.testing.assert_allclose(got, exact, atol=1e-5 * np.sqrt(in_features), rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype, activations", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),
+                                                (jnp.bfloat16, jnp.bfloat16)])
 @pytest.mark.parametrize("rows", [1, 3, 8])
-def test_stacked_matvecs_runs_several_stacks_as_one_job(dtype, rows):
+def test_stacked_matvecs_runs_several_stacks_as_one_job(dtype, activations, rows):
     # Sizes that split into several chunks each (256 rows of 1024 float32 per chunk)
     # and one smaller than a tile: every output must come from its own stack.
     rng = np.random.default_rng(rows)
     stacks = [jnp.asarray(rng.standard_normal((3, n, 1024)), dtype) for n in (600, 5, 300)]
-    x = jnp.asarray(rng.standard_normal((rows, 1024)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((rows, 1024)), activations).astype(jnp.float32)
     outs = jax.jit(stacked_matvecs)(x, stacks, jnp.int32(1))
     assert len(outs) == 3
     for stack, got in zip(stacks, outs):
