@@ -90,8 +90,21 @@ class KVCache(eqx.Module):
         dtype=jnp.float32,
         window: int | None = None,
     ) -> "KVCache":
-        """A cache for `max_length` tokens per row (a ring of `min(max_length,
-        window)` slots with a `window`), nothing written."""
+        """A cache with nothing written (`CausalLM.init_cache` fills these in).
+
+        Args:
+            num_layers: layers (the leading axis of keys and values).
+            batch_size: rows.
+            num_kv_heads: key/value heads.
+            max_length: slots per row (a ring of `min(max_length, window)` slots with
+                a `window`).
+            head_dim: width of one head.
+            dtype: keys and values dtype.
+            window: the sliding window, or None for a plain buffer.
+
+        Returns:
+            A `KVCache` whose slots are all empty (`slot_positions` -1).
+        """
         slots = max_length if window is None else min(max_length, window)
         shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
         return cls(
@@ -113,7 +126,14 @@ class KVCache(eqx.Module):
         return self.keys.shape[1]
 
     def layer(self, index: Int[Array, ""]) -> LayerKV:
-        """Layer `index` of the cache, read in place by the decode kernel."""
+        """Layer `index` of the cache, read in place by the decode kernel.
+
+        Args:
+            index: the layer (a traced scalar inside the scan).
+
+        Returns:
+            A `LayerKV` view: the whole stacks plus the index, nothing copied.
+        """
         return LayerKV(self.keys, self.values, index)
 
     @property
@@ -122,7 +142,15 @@ class KVCache(eqx.Module):
         return self.slot_positions >= 0
 
     def new_positions(self, attention_mask: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
-        """Rotary positions of the tokens about to be appended (padding repeats its neighbour)."""
+        """Rotary positions of the tokens about to be appended.
+
+        Args:
+            attention_mask: `[batch, seq]` of the tokens to append (1 real, 0 padding).
+
+        Returns:
+            `[batch, seq]` positions, continuing each row's count; padding repeats
+            its neighbour's position.
+        """
         return self.positions[:, None] + jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
 
     def append(
@@ -137,6 +165,15 @@ class KVCache(eqx.Module):
         donates the cache, the update happens in place. Writing past `max_length`
         raises (XLA would otherwise clamp the index and overwrite the last slots
         silently), except in a ring, which keeps the newest `max_length` slots.
+
+        Args:
+            new_keys: every layer's new keys `[layers, batch, kv_heads, seq, head_dim]`
+                (rotated).
+            new_values: the matching values.
+            attention_mask: `[batch, seq]`, 0 for left padding (stored with position -1).
+
+        Returns:
+            The updated `KVCache`.
         """
         seq = new_keys.shape[3]
         real = attention_mask.astype(bool)

@@ -95,7 +95,48 @@ class DecoderConfig:
     """Hyperparameters of a decoder-only language model.
 
     Field names follow Hugging Face `transformers`. The dataclass is frozen and
-    hashable, so models keep it as a static field.
+    hashable, so models keep it as a static field. Each architecture's
+    `config_from_hf` fills it from `config.json`.
+
+    Attributes:
+        model_type: HF `model_type` (`"qwen3"`, `"llama"`, ...).
+        vocab_size: rows of the embedding table and the head.
+        hidden_size: width of the residual stream.
+        intermediate_size: width of a dense MLP.
+        num_hidden_layers: decoder layers (the length of the stacked axis).
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (fewer: grouped-query attention).
+        head_dim: width of one head.
+        max_position_embeddings: the longest sequence generation allows.
+        rms_norm_eps: RMSNorm epsilon.
+        rope_theta: rotary base.
+        rope_scaling: HF's `rope_scaling` dict frozen as sorted `(key, value)` pairs,
+            or None.
+        tie_word_embeddings: the head reuses the embedding table.
+        attention_bias: biases on the q/k/v projections.
+        o_proj_bias: a bias on the attention output projection (Llama: as
+            `attention_bias`; Qwen2: none).
+        mlp_bias: biases on the MLP projections.
+        use_qk_norm: RMSNorm on every query and key head (Qwen3, Gemma 3).
+        hidden_act: the MLP's gate activation (`silu` or `gelu_pytorch_tanh`).
+        sliding_window: each token sees the last `sliding_window` positions; None
+            for full attention.
+        layer_types: per layer, `"sliding_attention"` or `"full_attention"` (Gemma 3);
+            None means every layer slides when `sliding_window` is set.
+        local_rope_theta: the rotary base of sliding layers, when it differs.
+        norm_unit_offset: RMSNorm scales by `1 + w` (Gemma).
+        sandwich_norms: norms before and after both sublayers (Gemma).
+        embed_scale: factor on the embedding output (Gemma: `sqrt(hidden_size)`).
+        query_pre_attn_scalar: scores scaled by `query_pre_attn_scalar ** -0.5`
+            instead of `head_dim ** -0.5`.
+        num_experts: experts per sparse layer (0: every MLP is dense).
+        num_experts_per_tok: experts each token is routed to.
+        moe_intermediate_size: width of one expert.
+        norm_topk_prob: renormalise the kept routing weights to sum to one.
+        mlp_only_layers: layers kept dense in an MoE model.
+        decoder_sparse_step: only every `decoder_sparse_step`-th layer is sparse.
+        bos_token_id, pad_token_id: special token ids, or None.
+        eos_token_id: the ids that end generation.
     """
 
     model_type: str
@@ -109,32 +150,24 @@ class DecoderConfig:
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    # Frozen form of HF's `rope_scaling` dict: sorted (key, value) pairs, or None.
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections
-    o_proj_bias: bool = False  # the attention output projection (Llama: same as attention_bias, Qwen2: none)
+    attention_bias: bool = False
+    o_proj_bias: bool = False
     mlp_bias: bool = False
     use_qk_norm: bool = False
     hidden_act: str = "silu"
-    # Sliding-window attention: each token sees the last `sliding_window` positions.
-    # With `layer_types`, only the layers marked "sliding_attention" do (Gemma 3),
-    # and they may use their own rotary base `local_rope_theta`.
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
     local_rope_theta: float | None = None
-    # Gemma-style blocks: RMSNorm scaled by (1 + w), norms before and after both
-    # sublayers, embeddings multiplied by `embed_scale`, scores by query_pre_attn_scalar**-0.5.
     norm_unit_offset: bool = False
     sandwich_norms: bool = False
     embed_scale: float | None = None
     query_pre_attn_scalar: float | None = None
-    # Mixture of experts (0 experts: every layer is a dense MLP).
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True
-    # Layers kept dense in an MoE model: those listed, and all but every `decoder_sparse_step`-th.
     mlp_only_layers: tuple[int, ...] = ()
     decoder_sparse_step: int = 1
     bos_token_id: int | None = None

@@ -27,7 +27,14 @@ def trace_counts() -> dict[str, int]:
 
 @dataclasses.dataclass(frozen=True)
 class Sampling:
-    """How the next token is picked: greedy at `temperature == 0`, else sampled."""
+    """How the next token is picked: greedy at `temperature == 0`, else sampled.
+
+    Attributes:
+        temperature: 0 for argmax; otherwise the logits are divided by it.
+        top_k: keep only the `top_k` most likely tokens (None: all).
+        top_p: keep the smallest set of most likely tokens whose probability
+            reaches `top_p` (None or 1: all).
+    """
 
     temperature: float = 0.0
     top_k: int | None = None
@@ -151,9 +158,25 @@ def stream_generate(
     attention_mask=None,
     pad_token_id: int | None = None,
 ) -> Iterator[np.ndarray]:
-    """Like `generate`, but yields each step's tokens (`[batch]` numpy) as they come.
+    """Like `generate`, but yields each step's tokens as they come.
 
-    Stops early once every row has produced an EOS token.
+    Args:
+        model: a `CausalLM`.
+        input_ids: `[seq]` or `[batch, seq]` token ids, or a list of
+            different-length lists (left-padded for you).
+        max_new_tokens: most tokens to generate per row.
+        temperature: 0 for greedy decoding; otherwise logits are divided by it and sampled.
+        top_k: sample only among the `top_k` most likely tokens.
+        top_p: sample only among the smallest set of most likely tokens whose
+            probability reaches `top_p`.
+        seed: sampling is reproducible for a given seed.
+        eos_token_id: id or ids that end a row; defaults to the model config's.
+        attention_mask: `[batch, seq]`, 1 for real tokens, for left-padded batches.
+        pad_token_id: yielded for rows that have ended; defaults to the first EOS id.
+
+    Yields:
+        `[batch]` int32 numpy arrays, one per step; stops early once every row has
+        produced an EOS token.
     """
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
@@ -211,8 +234,9 @@ def generate(
             different-length lists is left-padded for you.
         max_new_tokens: tokens to generate per row.
         temperature: 0 for greedy decoding; otherwise logits are divided by it and sampled.
-        top_k, top_p: restrict sampling to the k most likely tokens / the smallest set
-            with probability mass `top_p`.
+        top_k: sample only among the `top_k` most likely tokens.
+        top_p: sample only among the smallest set of most likely tokens whose
+            probability reaches `top_p`.
         seed: sampling is reproducible for a given seed.
         eos_token_id: id or ids that end a row; defaults to the model config's.
         attention_mask: `[batch, seq]`, 1 for real tokens, for left-padded batches.

@@ -301,9 +301,18 @@ def from_pretrained(
             `"fsdp"`, `"tp"`, `"ep"`), a mapping of logical axes to mesh axes, or
             `ShardingRules`. None means the default rules for the mesh's axes.
 
+    Returns:
+        The `CausalLM`, its layers stacked along a leading axis.
+
+    Raises:
+        FileNotFoundError: no such folder, or a hub id that cannot be resolved
+            (offline and not cached, no network, no such repo).
+        ConfigError: a `model_type` or config keys this library does not implement.
+        CheckpointError: missing, unexpected or wrongly shaped tensors (all of them
+            reported, by their HF names), or unreadable safetensors files.
+
     Tensors are read one at a time straight into the final stacked buffers, which
-    the CPU backend adopts without a copy, so peak memory stays near the model's size. Missing,
-    unexpected and wrongly shaped tensors are all reported, by their HF names.
+    the CPU backend adopts without a copy, so peak memory stays near the model's size.
     """
     if sharding is not None and mesh is None:
         raise ValueError("sharding= needs mesh=: pass the jax.sharding.Mesh to lay the model out on.")
@@ -418,7 +427,17 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     Checkpoints past `max_shard_size` bytes are split into
     `model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`,
     as `transformers` does; `transformers` and `from_pretrained` both load them.
-    Only one shard is held on the host at a time.
+    Only one shard is held on the host at a time. The tokenizer is not written.
+
+    Args:
+        model: a `CausalLM` without LoRA adapters (merge them first with
+            `eqx_models.lora.merge_lora`).
+        directory: the folder to write (created if needed; earlier weight files in
+            it are replaced).
+        max_shard_size: most bytes per safetensors file.
+
+    Returns:
+        None.
     """
     if any("lora_" in _leaf_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]):
         raise ValueError(

@@ -83,7 +83,19 @@ class PagedKVCache(eqx.Module):
     def empty_pool(
         num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype=jnp.float32
     ) -> tuple[Array, Array]:
-        """Zeroed `(keys, values)` pools of `num_pages` pages."""
+        """Zeroed key and value pools.
+
+        Args:
+            num_layers: layers (the leading axis of the pools).
+            num_pages: pages in the pool.
+            num_kv_heads: key/value heads.
+            page_size: token slots per page.
+            head_dim: width of one head.
+            dtype: keys and values dtype.
+
+        Returns:
+            `(keys, values)`, each `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`.
+        """
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
@@ -115,11 +127,27 @@ class PagedKVCache(eqx.Module):
         return self.slot_positions >= 0
 
     def layer(self, index: Int[Array, ""]) -> PagedLayerKV:
-        """Layer `index`, read in place by the decode kernel."""
+        """Layer `index`, read in place by the decode kernel.
+
+        Args:
+            index: the layer (a traced scalar inside the scan).
+
+        Returns:
+            A `PagedLayerKV` view: the whole pools, the block tables and the index.
+        """
         return PagedLayerKV(self.keys, self.values, self.block_tables, index)
 
     def new_positions(self, attention_mask: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
-        """Positions of the tokens about to be appended (right padding repeats the last)."""
+        """Positions of the tokens about to be appended.
+
+        Args:
+            attention_mask: `[batch, seq]` of the tokens to append (a chunk may be
+                right-padded with 0).
+
+        Returns:
+            `[batch, seq]` positions after each row's cached tokens; padding repeats
+            the last real position.
+        """
         return self.positions[:, None] + jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
 
     def append(
@@ -128,7 +156,17 @@ class PagedKVCache(eqx.Module):
         new_values: Float[Array, "layers batch kv_heads seq head_dim"],
         attention_mask: Int[Array, "batch seq"],
     ) -> "PagedKVCache":
-        """Writes each row's real new tokens into its pages (in place when donated)."""
+        """Writes each row's real new tokens into its pages (in place when donated).
+
+        Args:
+            new_keys: every layer's new keys `[layers, batch, kv_heads, seq, head_dim]`
+                (rotated).
+            new_values: the matching values.
+            attention_mask: `[batch, seq]`, 1 for tokens to store; padding writes nothing.
+
+        Returns:
+            The updated `PagedKVCache` (a row past its block table's pages raises).
+        """
         real = attention_mask.astype(bool)
         positions = self.new_positions(attention_mask)
         checked = eqx.error_if(

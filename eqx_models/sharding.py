@@ -52,12 +52,24 @@ class ShardingRules:
     over every mesh axis), `"fsdp"` (weights split along `embed` over `fsdp`),
     `"tp"` (heads, MLP and vocabulary over `tensor`), `"ep"` (experts over
     `expert`, the batch over `data` and `expert`).
+
+    Attributes:
+        rules: `(logical axis, mesh axes)` pairs, e.g. `(("mlp", ("tensor",)),)`.
     """
 
     rules: tuple[tuple[str, tuple[str, ...]], ...]
 
     @classmethod
     def from_mapping(cls, mapping: Mapping[str, str | tuple[str, ...] | None]) -> "ShardingRules":
+        """Rules from a mapping.
+
+        Args:
+            mapping: logical axis -> a mesh axis, a tuple of mesh axes (split over
+                all of them, in order), or None (never split).
+
+        Returns:
+            The `ShardingRules`.
+        """
         pairs = []
         for logical, axes in mapping.items():
             axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
@@ -66,11 +78,27 @@ class ShardingRules:
 
     @classmethod
     def preset(cls, name: str) -> "ShardingRules":
+        """One of the named presets.
+
+        Args:
+            name: `"default"`, `"dp"`, `"fsdp"`, `"tp"` or `"ep"`.
+
+        Returns:
+            The preset's `ShardingRules` (a `ValueError` lists the names otherwise).
+        """
         if name not in PRESETS:
             raise ValueError(f"Unknown sharding preset {name!r}; choose one of {sorted(PRESETS)} or pass ShardingRules.")
         return PRESETS[name]
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
+        """The mesh axes that split `logical`.
+
+        Args:
+            logical: a logical axis name, or None for an axis that has none.
+
+        Returns:
+            The mesh axes, in order; empty when the axis stays whole.
+        """
         return dict(self.rules).get(logical, ()) if logical is not None else ()
 
 
@@ -282,8 +310,19 @@ def shardings(tree, placement: Placement):
 
 
 def shard_model(model, mesh: Mesh, sharding=None):
-    """`model` with every parameter placed on `mesh` by the rules; the model keeps
-    its placement, so calls and `init_cache` follow it."""
+    """Places every parameter of a loaded model on `mesh` by the rules.
+
+    Args:
+        model: a `CausalLM` (on one device, or already placed).
+        mesh: a `jax.sharding.Mesh` with axes named from `data`, `fsdp`, `tensor`,
+            `expert`.
+        sharding: a preset name, a mapping of logical axes to mesh axes, or
+            `ShardingRules`; None means the default rules for the mesh's axes.
+
+    Returns:
+        The model with its arrays on their shards. It keeps its placement, so its
+        calls, `init_cache` and `generate` run split over the mesh.
+    """
     placement = placement_for(model.config, mesh, sharding)
     params, static = eqx.partition(model, eqx.is_array)
     placed = jax.tree.map(jax.device_put, params, shardings(params, placement))

@@ -30,6 +30,16 @@ class Tokenizer:
             `config.json`, else the tokenizer's `eos_token`).
         bos_token_id, pad_token_id: ids or None.
         chat_template: the Jinja chat template, or None.
+
+    Args:
+        backend: a `tokenizers.Tokenizer` (from `tokenizer.json`).
+        eos_token_ids: the ids that end generation; defaults to `eos_token`'s id.
+        bos_token: the BOS token's text, or None.
+        eos_token: the EOS token's text, or None.
+        pad_token: the padding token's text, or None.
+        chat_template: the Jinja chat template, or None.
+
+    `load_tokenizer` builds one from a folder or hub id.
     """
 
     def __init__(
@@ -57,11 +67,27 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids for `text`, with the special tokens the tokenizer adds (e.g. BOS)."""
+        """Token ids for `text`.
+
+        Args:
+            text: the text.
+            add_special_tokens: add what the tokenizer's post-processor adds (e.g. BOS).
+
+        Returns:
+            The ids.
+        """
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        """Text for `ids`; special tokens are dropped unless asked for."""
+        """Text for `ids`.
+
+        Args:
+            ids: token ids.
+            skip_special_tokens: drop special tokens (BOS, EOS, chat markers).
+
+        Returns:
+            The text.
+        """
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
@@ -72,11 +98,21 @@ class Tokenizer:
         tokenize: bool = True,
         **template_kwargs: Any,
     ) -> list[int] | str:
-        """Renders `messages` (`[{"role": ..., "content": ...}]`) with the chat template.
+        """Renders a conversation with the tokenizer's chat template.
 
-        Returns token ids (`tokenize=True`, the default, as in `transformers`) or the
-        rendered string. The template's text already holds its special tokens, so
-        none are added when tokenizing it.
+        Args:
+            messages: `[{"role": ..., "content": ...}, ...]`.
+            add_generation_prompt: end with the assistant's turn opening, so the
+                model writes the reply.
+            tokenize: return token ids (the default, as in `transformers`) rather
+                than the rendered string.
+            **template_kwargs: further variables for the template (Qwen3's
+                `enable_thinking`, `tools`, ...).
+
+        Returns:
+            Token ids, or the rendered string. The template's text already holds its
+            special tokens, so none are added when tokenizing it. A tokenizer without
+            a template raises `ValueError`.
         """
         if not self.chat_template:
             raise ValueError(
@@ -117,7 +153,19 @@ def _read_chat_template(folder: Path, tokenizer_config: Mapping[str, Any]) -> st
 
 
 def load_tokenizer(name_or_path: str | os.PathLike, *, revision: str | None = None) -> Tokenizer:
-    """Loads the tokenizer of a hub repo id or local folder (needs `tokenizer.json`)."""
+    """Loads the tokenizer of a hub repo id or local folder.
+
+    Args:
+        name_or_path: a local folder or a hub repo id; it needs `tokenizer.json`
+            (fast tokenizers), and reads `tokenizer_config.json`,
+            `special_tokens_map.json`, `generation_config.json`, `config.json` and a
+            chat template when they are there.
+        revision: hub branch, tag or commit.
+
+    Returns:
+        A `Tokenizer` with EOS ids from `generation_config.json`, else `config.json`,
+        else the tokenizer's `eos_token`.
+    """
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=TOKENIZER_FILES)
     path = folder / "tokenizer.json"
     if not path.exists():

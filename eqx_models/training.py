@@ -117,11 +117,15 @@ def make_train_step(
             the mean over every counted token of the whole batch, as without
             accumulation.
 
-    `batch` is a dict with `input_ids` and `labels` (and optionally
-    `attention_mask`, `segment_ids`), each `[batch, seq]`. The model and optimizer
-    state are donated (updated in place). Parameters may be bfloat16: gradients,
-    optimizer state and the update are then computed in float32 and the result
-    rounded back. `metrics` holds the mean `loss` and the counted `tokens`.
+    Returns:
+        `(init, step)`. `init(model)` gives the optimizer state of the trainable
+        part (float32, placed like the parameters). `step(model, opt_state, batch)`
+        takes `batch`, a dict with `input_ids` and `labels` (and optionally
+        `attention_mask`, `segment_ids`), each `[batch, seq]`, and returns
+        `(model, opt_state, metrics)` with `metrics` holding the mean `loss` and the
+        counted `tokens`. The model and optimizer state are donated (updated in
+        place). Parameters may be bfloat16: gradients, optimizer state and the
+        update are then computed in float32 and the result rounded back.
     """
     if accumulation_steps < 1:
         raise ValueError(f"accumulation_steps must be at least 1, got {accumulation_steps}.")

@@ -52,4 +52,9 @@ def architecture_for(hf_config: Mapping[str, Any]) -> Architecture:
 
 
 def supported_model_types() -> list[str]:
+    """The Hugging Face `model_type` values `from_pretrained` can load.
+
+    Returns:
+        Sorted model types, e.g. `["gemma3_text", "llama", ...]`.
+    """
     return sorted(_registry())

@@ -26,11 +26,26 @@ def _placed_cache_maker(shape: tuple, placement: "sharding.Placement"):
 
 
 class CausalLM(eqx.Module):
-    """Decoder-only language model (HF's `*ForCausalLM`).
+    """Decoder-only language model (HF's `*ForCausalLM`): what `from_pretrained`
+    returns.
 
     Weight paths mirror Hugging Face: `model.layers.self_attn.q_proj.weight` here is
     `model.layers.{i}.self_attn.q_proj.weight` there, stacked over `i`. With tied
     embeddings `lm_head` is None and the embedding table projects the logits.
+    Construct it directly only for random weights (tests, shapes); otherwise load.
+
+    Args:
+        config: the architecture's hyperparameters.
+        key: PRNG key for the random initial weights (std 0.02, as `transformers`).
+        scan_layers: run the stacked layers under `jax.lax.scan` (True) or in an
+            unrolled Python loop over the same stacked weights (False, for debugging).
+
+    Attributes:
+        model: the `Decoder`: `embed_tokens`, the stacked `layers`, the final `norm`.
+        lm_head: the vocabulary projection `[vocab, hidden]`, or None when tied.
+        config: the `DecoderConfig`.
+        placement: the mesh layout after `shard_model` or `from_pretrained(mesh=...)`,
+            else None.
     """
 
     model: Decoder
@@ -93,6 +108,17 @@ class CausalLM(eqx.Module):
 
         Equal to `model(input_ids, cache=model.init_cache(batch, max_length), ...)`,
         without attending to the empty cache (which costs `seq x max_length` work).
+
+        Args:
+            input_ids: prompt token ids `[batch, seq]`.
+            max_length: slots per row of the new cache (prompt plus what will follow;
+                with a sliding window, a ring of at most `sliding_window` slots).
+            attention_mask: `[batch, seq]`, 1 for real tokens, 0 for left padding.
+            logits_to_keep: if given, logits only for the last this-many positions.
+
+        Returns:
+            `(logits, cache)`: logits `[batch, seq or logits_to_keep, vocab]` and the
+            `KVCache` holding the prompt.
         """
         return self._forward(input_ids, attention_mask, None, max_length, logits_to_keep)
 
@@ -132,16 +158,32 @@ class CausalLM(eqx.Module):
         return self.model.scan_layers
 
     def with_scan_layers(self, scan_layers: bool) -> "CausalLM":
-        """The same weights, run with `jax.lax.scan` (True) or an unrolled loop (False)."""
+        """The same weights, run with `jax.lax.scan` or an unrolled loop.
+
+        Args:
+            scan_layers: True for the scan, False for a Python loop over the same
+                stacked arrays (identical numbers under `jit`; compile time grows
+                with depth).
+
+        Returns:
+            A `CausalLM` sharing this one's arrays.
+        """
         decoder = copy.copy(self.model)
         object.__setattr__(decoder, "scan_layers", scan_layers)
         return eqx.tree_at(lambda m: m.model, self, decoder)
 
     def with_remat(self, policy: str) -> "CausalLM":
         """The same weights, with each layer's forward pass rematerialised in the
-        backward pass by `policy`: `"none"` (keep every activation), `"full"` (keep
-        only each layer's input; recompute the layer) or `"dots"` (keep the weight
-        matmuls' outputs). Numbers are identical; peak training memory is not."""
+        backward pass. Numbers are identical; peak training memory is not.
+
+        Args:
+            policy: `"none"` (keep every activation), `"full"` (keep only each
+                layer's input; recompute the layer) or `"dots"` (keep the weight
+                matmuls' outputs).
+
+        Returns:
+            A `CausalLM` sharing this one's arrays.
+        """
         if policy not in REMAT_POLICIES:
             raise ValueError(f"Unknown remat policy {policy!r}; choose one of {sorted(REMAT_POLICIES)}.")
         decoder = copy.copy(self.model)
@@ -150,15 +192,34 @@ class CausalLM(eqx.Module):
 
     def with_placement(self, placement: "sharding.Placement | None") -> "CausalLM":
         """The same model, recorded as laid out by `placement` (see `shard_model`,
-        which also moves the weights)."""
+        which also moves the weights).
+
+        Args:
+            placement: a `sharding.Placement` (mesh and rules), or None for one device.
+
+        Returns:
+            A `CausalLM` sharing this one's arrays.
+        """
         out = copy.copy(self)
         object.__setattr__(out, "placement", placement)
         return out
 
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
-        """An empty `KVCache` for `batch_size` rows of up to `max_length` tokens (with
-        sliding-window attention, a ring of at most `sliding_window` slots that takes
-        any number of tokens). On a mesh, created split by batch and KV heads."""
+        """An empty cache for `batch_size` rows of up to `max_length` tokens.
+
+        With sliding-window attention on every layer it is a ring of at most
+        `sliding_window` slots that takes any number of tokens. On a mesh it is
+        created split by batch and KV heads.
+
+        Args:
+            batch_size: rows.
+            max_length: slots per row.
+            dtype: the cache dtype; defaults to the model's.
+
+        Returns:
+            A `KVCache` with keys and values `[layers, batch_size, kv_heads,
+            max_length or window, head_dim]`, nothing written.
+        """
         c = self.config
         shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim,
                  jnp.dtype(dtype or self.dtype), self.model.ring_window)
