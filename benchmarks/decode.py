@@ -5,8 +5,9 @@ A Qwen3-0.6B-shaped model with random float32 weights is created with
 times a 128-token prefill and 32 single-token decode steps (cache in place), the
 libraries taking turns every four steps, and the decode step's compile time. At
 batch 1 a bfloat16 copy of our model takes turns too, and its logits are compared
-with float32. The floor is the weight bytes divided by the read bandwidth measured
-with all cores. Writes `benchmarks/results/decode.json`.
+with float32. The floor is the weight bytes divided by the best read bandwidth that
+memory-bound probes over 1 GiB reach with all cores, taking turns with the decode
+steps. Writes `benchmarks/results/decode.json`.
 
     python benchmarks/decode.py [--layers 28] [--batch-sizes 1 8] [--new-tokens 32] [--no-bfloat16]
 """
@@ -45,38 +46,37 @@ QWEN3_0_6B = dict(
 )
 
 
-def read_bandwidth_gb_s(nbytes: int = 1 << 30, repeats: int = 10) -> dict[str, float]:
-    """Best read bandwidth over a 1 GiB float32 buffer, with all cores and with one.
-
-    Memory-bound kernels that each read the buffer once: torch's sum and
-    matrix-vector product (all cores, then one), and with all cores also our own
-    matrix-vector kernel on the same bytes (on some CPUs it streams faster than
-    torch's, and a floor below what a plain read reaches would flatter decode).
-    The best time is taken as what the memory bus delivers.
-    """
+def bandwidth_probes(nbytes: int = 1 << 30) -> dict[str, object]:
+    """Memory-bound kernels that each read a 1 GiB float32 buffer once: torch's
+    sum and matrix-vector product, and our own matrix-vector kernel (on some CPUs
+    it streams faster than torch's; a floor below what a plain read reaches would
+    flatter decode). The values are random: pages that all hold the same bytes may
+    be merged by the host (seen here: a buffer of ones read at 68-83 GB/s, random
+    values at 40-50)."""
     from eqx_models.kernels import kernels_available, stacked_matvec
 
-    data = torch.ones(nbytes // 4)
+    data = torch.rand(nbytes // 4, generator=torch.Generator().manual_seed(0))
     matrix, vector = data.view(4096, -1), torch.ones(nbytes // 4 // 4096)
-    ours = []
+    probes = {"torch_sum": data.sum, "torch_mv": lambda: torch.mv(matrix, vector)}
     if kernels_available():
-        stack, x = jnp.ones((1, nbytes // 4 // 1024, 1024)), jnp.ones((1, 1024))
+        stack, x = jnp.asarray(data.numpy()).reshape(1, -1, 1024), jnp.ones((1, 1024))
         product = jax.jit(stacked_matvec)
-        ours = [lambda: product(x, stack, jnp.int32(0)).block_until_ready()]
-    out = {}
+        probes["eqx_matvec"] = lambda: product(x, stack, jnp.int32(0)).block_until_ready()
+    return probes
+
+
+def single_thread_bandwidth_gb_s(probes: dict, nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """torch's probes on one thread (ours use every core), best of `repeats`."""
     previous = torch.get_num_threads()
-    for threads in (previous, 1):
-        torch.set_num_threads(threads)
-        best = float("inf")
-        for kernel in (data.sum, lambda: torch.mv(matrix, vector), *(ours if threads == previous else ())):
-            kernel()
-            for _ in range(repeats):
-                start = time.perf_counter()
-                kernel()
-                best = min(best, time.perf_counter() - start)
-        out[f"{threads}_threads"] = nbytes / best / 1e9
+    torch.set_num_threads(1)
+    best = float("inf")
+    for name in ("torch_sum", "torch_mv"):
+        for _ in range(repeats):
+            start = time.perf_counter()
+            probes[name]()
+            best = min(best, time.perf_counter() - start)
     torch.set_num_threads(previous)
-    return out
+    return nbytes / best / 1e9
 
 
 def prepare_ours(model, prompt: np.ndarray, new_tokens: int):
@@ -156,17 +156,25 @@ def interleaved(functions: dict, rounds: int, calls_per_round: int, settle_s: fl
     return times
 
 
-def measure(contenders: dict, batch: int, length: int, new_tokens: int) -> dict[str, dict]:
-    """Prefill and decode figures for each contender `name -> (prefill, step, figures)`."""
+def measure(contenders: dict, batch: int, length: int, new_tokens: int, probes: dict,
+            nbytes: int = 1 << 30) -> tuple[dict[str, dict], float]:
+    """Prefill and decode figures for each contender `name -> (prefill, step, figures)`,
+    and the read bandwidth (GB/s, all cores) the probes reached in the same turns as
+    the decode steps: the machine's bandwidth drifts, so the floor is measured
+    alongside what it bounds."""
     for prefill, step, _ in contenders.values():
         prefill()  # warm-up: compile, allocate
         prefill()
         step()
+    for probe in probes.values():
+        probe()
     prefills = interleaved({name: c[0] for name, c in contenders.items()}, rounds=3, calls_per_round=1)
     for prefill, step, _ in contenders.values():
         prefill()
         step()  # the first step after a prefill may still touch cold pages
-    steps = interleaved({name: c[1] for name, c in contenders.items()}, rounds=new_tokens // 4, calls_per_round=4)
+    steps = interleaved({**{name: c[1] for name, c in contenders.items()}, **probes},
+                        rounds=new_tokens // 4, calls_per_round=4)
+    bandwidth = max(nbytes / min(steps[name]) for name in probes) / 1e9
     results = {}
     for name, (_, _, figures) in contenders.items():
         best_prefill = min(prefills[name])
@@ -179,7 +187,7 @@ def measure(contenders: dict, batch: int, length: int, new_tokens: int) -> dict[
             "decode_steps_timed": len(steps[name]),
             **figures,
         }
-    return results
+    return results, bandwidth
 
 
 def bfloat16_logit_diff(model32, model16, prompt: np.ndarray) -> dict[str, float]:
@@ -214,16 +222,14 @@ def main():
         model = eqx_models.from_pretrained(folder, dtype=jnp.float32)
 
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(model))
-    bandwidth = read_bandwidth_gb_s()
-    floor_ms = 1e3 * weight_bytes / (bandwidth[f"{torch.get_num_threads()}_threads"] * 1e9)
+    probes = bandwidth_probes()
     results = {
         "benchmark": "decode",
         "model": f"Qwen3-0.6B-shaped, {args.layers} layers, random float32 weights",
         "weight_bytes": weight_bytes,
         "prompt_length": args.prompt_length,
         "new_tokens": args.new_tokens,
-        "read_bandwidth_gb_s": bandwidth,
-        "floor_ms_per_step_batch1": floor_ms,
+        "read_bandwidth_gb_s_one_thread": single_thread_bandwidth_gb_s(probes),
         "machine": {
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),
@@ -244,10 +250,14 @@ def main():
         if batch == 1 and args.bfloat16:
             model16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
             contenders["eqx_models_bfloat16"] = prepare_ours(model16, prompt, args.new_tokens)
-        timed = measure(contenders, batch, args.prompt_length, args.new_tokens)
+        timed, bandwidth = measure(contenders, batch, args.prompt_length, args.new_tokens, probes)
         ours, theirs = timed["eqx_models"], timed["transformers"]
+        floor_ms = 1e3 * weight_bytes / (bandwidth * 1e9)
         run = {
             "batch": batch,
+            "read_bandwidth_gb_s": bandwidth,
+            "floor_ms_per_step_batch1": floor_ms,
+            "decode_speed_vs_floor": floor_ms / ours["decode_ms_per_step"] if batch == 1 else None,
             "eqx_models": ours,
             "transformers": theirs,
             "decode_speedup_vs_transformers": ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"],
@@ -263,7 +273,7 @@ def main():
         print(json.dumps(run, indent=1), flush=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"floor {floor_ms:.0f} ms/token at batch 1; wrote {args.output}")
+    print(f"wrote {args.output}")
 
 
 if __name__ == "__main__":

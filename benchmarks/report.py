@@ -58,7 +58,7 @@ def context_table(runs: list[tuple[str, dict]]) -> str:
     for _, result in runs:
         run = result["runs"][0]
         ours = run["eqx_models"]
-        bandwidth = max(result["read_bandwidth_gb_s"].values()) * 1e9
+        bandwidth = run["read_bandwidth_gb_s"] * 1e9
         predicted = 1e3 * (result["weight_bytes"] + ours["cache_bytes"]) / bandwidth
         layers = int(result["model"].split(", ")[1].split()[0])
         rows.append(
@@ -96,8 +96,11 @@ def plot(decode: dict | None, depth: dict | None, path: Path) -> None:
 def main():
     decode, depth, load_result = load("decode"), load("compile_depth"), load("load")
     if decode:
-        print(f"Floor at batch 1: {decode['floor_ms_per_step_batch1']:.0f} ms/token "
-              f"({decode['weight_bytes'] / 1e9:.2f} GB of weights at {decode['read_bandwidth_gb_s']}) GB/s\n")
+        for run in decode["runs"]:
+            print(f"Batch {run['batch']}: read bandwidth {run['read_bandwidth_gb_s']:.1f} GB/s in the same turns; "
+                  f"floor {run['floor_ms_per_step_batch1']:.0f} ms/token at batch 1 "
+                  f"({decode['weight_bytes'] / 1e9:.2f} GB of weights)")
+        print(f"One thread: {decode['read_bandwidth_gb_s_one_thread']:.1f} GB/s\n")
         print(decode_table(decode) + "\n")
         print(bfloat16_note(decode) + "\n")
     contexts = [(n, load(n)) for n in ("decode", "prefill_512", "decode_context_1024", "decode_context_4096")]
