@@ -177,6 +177,26 @@ def test_write_pages_writes_each_token_to_its_slot_and_skips_padding(dtype):
         jax.block_until_ready(jax.jit(write_pages)(pool, update, np.array([[24, 0, 1], [2, 3, -1]], np.int32)))
 
 
+def test_portable_matvec_loops_equal_the_dot_of_the_slice():
+    """The loops CPUs without AVX-512 run: float32 and bfloat16 weights, activations in
+    float32 or bfloat16 values, one to seventeen rows, odd widths."""
+    script = """
+import jax, jax.numpy as jnp, numpy as np
+from eqx_models.kernels import kernels_status, stacked_matvecs
+assert kernels_status() == "ready"
+rng = np.random.default_rng(0)
+for weights, activations in [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16)]:
+    for rows, out_features, in_features in [(1, 37, 19), (3, 64, 1024), (9, 130, 48), (17, 20, 70)]:
+        stacks = [jnp.asarray(rng.standard_normal((3, n, in_features)), weights) for n in (out_features, 5)]
+        x = jnp.asarray(rng.standard_normal((rows, in_features)), activations).astype(jnp.float32)
+        for stack, got in zip(stacks, jax.jit(stacked_matvecs)(x, stacks, jnp.int32(2))):
+            exact = np.asarray(x, np.float64) @ np.asarray(stack[2].astype(jnp.float32), np.float64).T
+            np.testing.assert_allclose(got, exact, atol=1e-5 * np.sqrt(in_features), rtol=0)
+"""
+    env = dict(os.environ, EQX_MODELS_KERNELS_PORTABLE="1")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+
+
 def test_model_without_kernels_gives_the_same_tokens_and_logits(tmp_path):
     """`EQX_MODELS_KERNELS=0` (no compiler) falls back to XLA with the same results."""
     script = """

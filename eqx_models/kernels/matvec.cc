@@ -229,8 +229,10 @@ AVX512 void rows_avx512(const void* x, int64_t ldx, const void* w, float* y, int
   }
 }
 
-const bool kHasAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl");
+// EQX_MODELS_KERNELS_PORTABLE set: the portable loops on any CPU (the tests run them
+// on machines that have AVX-512 too).
+const bool kHasAvx512 = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
 const bool kHasBf16Dot = kHasAvx512 && __builtin_cpu_supports("avx512bf16");
 #else
 const bool kHasAvx512 = false;
@@ -259,7 +261,9 @@ class Activations {
   Activations(const float* x, int64_t rows, int64_t K, Kind kind)
       : stride_(row_stride(K, kind == Kind::kBf16Dot ? 2 : 4)),
         data_(std::aligned_alloc(64, (rows * stride_ * 4 + 63) / 64 * 64 + 64)) {
-    const int64_t main = kind == Kind::kBf16Widen ? K - K % 32 : 0;
+    // Only the AVX-512 widening tile reads the split order; the portable loop
+    // takes bfloat16 weights against activations in order.
+    const int64_t main = kind == Kind::kBf16Widen && kHasAvx512 ? K - K % 32 : 0;
     for (int64_t b = 0; b < rows; ++b) {
       const float* from = x + b * K;
       if (kind == Kind::kBf16Dot) {
