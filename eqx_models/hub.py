@@ -5,21 +5,19 @@ import itertools
 import json
 import math
 import os
-import struct
 from collections.abc import Mapping
 from pathlib import Path
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import Mesh
-from safetensors.numpy import save_file
 
 from .config import load_json
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
+from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
 from .sharding import ShardingRules, placement_for, shardings
 
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
@@ -39,13 +37,6 @@ EXPERTS_COMPONENT = "experts."
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
-# Most bytes held at once while reading part of each row of a tensor (a device's
-# block of a weight split along its columns).
-PART_CHUNK_BYTES = 32 * 2**20
-
-
-class CheckpointError(ValueError):
-    """A checkpoint whose tensors do not match the model its config describes."""
 
 
 def resolve_model_dir(name_or_path: str | os.PathLike, *, revision: str | None = None, allow_patterns=None) -> Path:
@@ -100,132 +91,6 @@ def _checkpoint_files(folder: Path) -> list[Path]:
             "convert .bin/.pt weights with transformers' save_pretrained(safe_serialization=True)."
         )
     return files
-
-
-SAFETENSORS_DTYPES = {
-    "F64": np.float64,
-    "F32": np.float32,
-    "F16": np.float16,
-    "BF16": ml_dtypes.bfloat16,
-    "I64": np.int64,
-    "I32": np.int32,
-    "I16": np.int16,
-    "I8": np.int8,
-    "U8": np.uint8,
-    "BOOL": np.bool_,
-}
-
-
-class _SafetensorsFile:
-    """Reads single tensors of a safetensors file straight into caller-owned buffers.
-
-    The format is an 8-byte header length, a JSON header of
-    `{name: {dtype, shape, data_offsets}}`, then the raw bytes. Reading with
-    `readinto` (no memory map) keeps file pages out of this process's resident
-    memory, and every offset is checked against the file size up front, so a
-    truncated download is reported before anything is loaded.
-    """
-
-    def __init__(self, path: Path):
-        self.path = path
-        size = path.stat().st_size
-        try:
-            self.handle = open(path, "rb", buffering=0)
-            (header_length,) = struct.unpack("<Q", self.handle.read(8))
-            if header_length > size - 8:
-                raise ValueError(f"the header claims {header_length} bytes but the file has {size}")
-            header = json.loads(self.handle.read(header_length))
-        except (struct.error, ValueError, UnicodeDecodeError) as e:
-            raise CheckpointError(
-                f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt. "
-                "Delete it and download it again."
-            ) from e
-        header.pop("__metadata__", None)
-        self.data_start = 8 + header_length
-        self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
-        for name, info in header.items():
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which is not supported.")
-            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
-            shape = tuple(info["shape"])
-            begin, end = info["data_offsets"]
-            if end - begin != math.prod(shape) * dtype.itemsize or self.data_start + end > size:
-                raise CheckpointError(
-                    f"{path} is truncated or corrupt: tensor {name} should occupy bytes "
-                    f"{self.data_start + begin}-{self.data_start + end} but the file has {size}. "
-                    "Delete it and download it again."
-                )
-            self.entries[name] = (dtype, shape, begin)
-
-    def read_into(self, name: str, out: np.ndarray, rows: range | None = None) -> None:
-        """Fills `out` (C-contiguous, any dtype) with tensor `name`, or with its
-        `rows` (a step-1 range along its first axis, which are contiguous bytes)."""
-        dtype, shape, begin = self.entries[name]
-        if rows is not None and shape:
-            row_bytes = math.prod(shape[1:]) * dtype.itemsize
-            begin += rows.start * row_bytes
-            shape = (len(rows), *shape[1:])
-        buffer = out if out.dtype == dtype else np.empty(shape, dtype)
-        view = memoryview(buffer.reshape(-1).view(np.uint8))
-        filled = 0
-        while filled < len(view):  # one read returns at most ~2 GiB on Linux
-            # Positional reads: tensors of one file are read from several threads.
-            count = os.preadv(self.handle.fileno(), [view[filled:]], self.data_start + begin + filled)
-            if not count:
-                raise CheckpointError(f"{self.path} ended early while reading {name}; it may be truncated.")
-            filled += count
-        if buffer is not out:
-            out[...] = buffer
-
-
-class _TensorSource:
-    """Where each tensor of a (possibly sharded) checkpoint lives."""
-
-    def __init__(self, files: list[Path]):
-        self.location: dict[str, _SafetensorsFile] = {}
-        for path in files:
-            file = _SafetensorsFile(path)
-            for name in file.entries:
-                self.location[name] = file
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return self.location[name].entries[name][1]
-
-    def dtype(self, name: str) -> np.dtype:
-        return self.location[name].entries[name][0]
-
-    def read_into(self, name: str, out: np.ndarray, rows: range | None = None) -> None:
-        self.location[name].read_into(name, out, rows)
-
-    def read_part_into(self, name: str, part: list[range], out: np.ndarray) -> None:
-        """Fills `out` with `tensor[part]` (one step-1 range per axis), reading only
-        the rows of the first axis that the part covers. A part that takes some
-        columns of each row reads whole rows a chunk at a time (at most
-        `PART_CHUNK_BYTES` held), never the whole tensor at once."""
-        shape = self.shape(name)
-        if not shape:
-            return self.read_into(name, out)
-        if all(len(r) == size for r, size in zip(part[1:], shape[1:])):
-            return self.read_into(name, out, part[0])
-        row_bytes = math.prod(shape[1:]) * self.dtype(name).itemsize
-        step = max(1, PART_CHUNK_BYTES // row_bytes)
-        columns = tuple(slice(r.start, r.stop) for r in part[1:])
-        for first in range(0, len(part[0]), step):
-            rows = part[0][first : first + step]
-            chunk = np.empty((len(rows), *shape[1:]), out.dtype)
-            self.read_into(name, chunk, rows)
-            out[first : first + len(rows)] = chunk[(slice(None), *columns)]
-
-
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:
-    """An uninitialised array whose data starts on an `alignment`-byte boundary.
-
-    JAX's CPU backend adopts such a buffer without copying it (`from_dlpack`).
-    """
-    nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + alignment, np.uint8)
-    offset = (-raw.ctypes.data) % alignment
-    return raw[offset : offset + nbytes].view(dtype).reshape(shape)
 
 
 def _to_jax(array: np.ndarray) -> jax.Array:
@@ -284,6 +149,7 @@ def from_pretrained(
     scan_layers: bool = True,
     mesh: Mesh | None = None,
     sharding: "str | ShardingRules | Mapping | None" = None,
+    map_weights: bool = True,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint into a stacked `CausalLM`.
 
@@ -300,6 +166,12 @@ def from_pretrained(
         sharding: with `mesh`, the rules: a preset name (`"default"`, `"dp"`,
             `"fsdp"`, `"tp"`, `"ep"`), a mapping of logical axes to mesh axes, or
             `ShardingRules`. None means the default rules for the mesh's axes.
+        map_weights: on the CPU backend, map tensors that sit on page boundaries of
+            their file and need no dtype change (checkpoints written by
+            `save_pretrained`) instead of reading them: loading then costs no
+            memory of the process's own, and pages are read from the file as they
+            are first used. False reads every tensor into memory, for files that
+            may change while the model is in use.
 
     Returns:
         The `CausalLM`, its layers stacked along a leading axis.
@@ -313,6 +185,9 @@ def from_pretrained(
 
     Tensors are read one at a time straight into the final stacked buffers, which
     the CPU backend adopts without a copy, so peak memory stays near the model's size.
+    Mapped tensors are copy-on-write: nothing the model does writes to the file, but
+    a file truncated or rewritten in place while mapped (not replaced, as
+    `save_pretrained` does) changes or loses those weights.
     """
     if sharding is not None and mesh is None:
         raise ValueError("sharding= needs mesh=: pass the jax.sharding.Mesh to lay the model out on.")
@@ -325,7 +200,7 @@ def from_pretrained(
     config = arch.config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     placement = None if mesh is None else placement_for(config, mesh, sharding)
-    source = _TensorSource(_checkpoint_files(folder))
+    source = TensorSource(_checkpoint_files(folder))
     target_dtype = None if dtype is None else jnp.dtype(dtype)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
@@ -360,21 +235,28 @@ def from_pretrained(
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        arrays = list(pool.map(lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2]), plan))
+        arrays = list(pool.map(lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2], map_weights), plan))
     model = jax.tree_util.tree_unflatten(treedef, arrays)
     return model if placement is None else model.with_placement(placement)
 
 
-def _load_leaf(source: _TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype, sharding=None) -> jax.Array:
+def _load_leaf(
+    source: TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype, sharding=None, map_weights=False
+) -> jax.Array:
     """Reads one leaf (its per-layer / per-expert tensors stacked) into one final
-    buffer, or with a `sharding`, each device's part of it into that device."""
+    buffer, or with a `sharding`, each device's part of it into that device; maps
+    the file's pages instead where `map_weights` and the layout allow."""
     dtype = source.dtype(names[0])
     if target_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
         dtype = np.dtype(target_dtype)
     shape = source.shape(names[0])
     if sharding is not None:
         return _load_sharded_leaf(source, names, stacked, shape, dtype, sharding)
-    out = _aligned_empty((*stacked, *shape), dtype)
+    if map_weights and dtype == source.dtype(names[0]) and jax.default_backend() == "cpu":
+        mapped = source.map_stack(names)
+        if mapped is not None:
+            return _to_jax(mapped[: math.prod((*stacked, *shape)) * dtype.itemsize].view(dtype).reshape(*stacked, *shape))
+    out = aligned_empty((*stacked, *shape), dtype)
     parts = out.reshape(-1, *shape)  # a view: C order, as the names come
     for i, name in enumerate(names):
         source.read_into(name, parts[i])
@@ -428,6 +310,9 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     `model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`,
     as `transformers` does; `transformers` and `from_pretrained` both load them.
     Only one shard is held on the host at a time. The tokenizer is not written.
+    Every tensor that fills whole memory pages starts on a page boundary of its
+    file, so `from_pretrained` maps such files rather than reading them; each file
+    is written under a temporary name and renamed into place.
 
     Args:
         model: a `CausalLM` without LoRA adapters (merge them first with
@@ -473,10 +358,10 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     weight_map = {}
     total = 0
     for file_name, shard in zip(file_names, shards):
-        tensors = {name: np.asarray(leaf[index]) for name, leaf, index in shard}
-        save_file(tensors, directory / file_name, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file_name))
-        total += sum(a.nbytes for a in tensors.values())
+        tensors = [(name, np.asarray(leaf[index])) for name, leaf, index in shard]
+        write_safetensors(directory / file_name, tensors, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys((name for name, _ in tensors), file_name))
+        total += sum(a.nbytes for _, a in tensors)
     if len(shards) > 1:
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

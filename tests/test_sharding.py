@@ -111,18 +111,18 @@ def test_a_device_block_is_read_from_the_file_in_place(tmp_path, monkeypatch):
     import numpy as np
     from safetensors.numpy import save_file
 
-    from eqx_models import hub
+    from eqx_models import safetensors_file
 
     rng = np.random.default_rng(0)
     tensors = {"w": rng.standard_normal((12, 10)).astype(np.float32),
                "b": rng.standard_normal((6, 4, 5)).astype(ml_dtypes.bfloat16)}
     save_file(tensors, tmp_path / "model.safetensors")
-    source = hub._TensorSource([tmp_path / "model.safetensors"])
+    source = safetensors_file.TensorSource([tmp_path / "model.safetensors"])
     reads = []
-    original = hub._SafetensorsFile.read_into
-    monkeypatch.setattr(hub._SafetensorsFile, "read_into",
+    original = safetensors_file.SafetensorsFile.read_into
+    monkeypatch.setattr(safetensors_file.SafetensorsFile, "read_into",
                         lambda self, name, out, rows=None: (reads.append((name, rows)), original(self, name, out, rows)))
-    monkeypatch.setattr(hub, "PART_CHUNK_BYTES", 3 * 10 * 4)  # three rows of w at a time
+    monkeypatch.setattr(safetensors_file, "PART_CHUNK_BYTES", 3 * 10 * 4)  # three rows of w at a time
 
     out = np.empty((4, 10), np.float32)
     source.read_part_into("w", [range(4, 8), range(0, 10)], out)  # whole rows: one read of those rows
