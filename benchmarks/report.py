@@ -113,12 +113,26 @@ def main():
             print(f"| {run['layers']} | {run['scan_s']:.2f} | {run['unrolled_s']:.2f} |")
         print()
     if load_result:
-        print("| library | load s | peak RSS growth / weights | after reading every weight / weights |\n|---|---|---|---|")
+        weights = load_result["weight_bytes"]
+        print("| file written by | library | load s | then reading every weight s | peak RSS growth / weights "
+              "| after reading / weights | decode ms/step (b1, one process each: noisy) |\n|---|---|---|---|---|---|---|")
         for run in load_result["runs"]:
+            decode = run.get("decode_ms_per_step_batch1")
             print(
-                f"| {run['library']} | {run['seconds']:.2f} | {run['peak_growth'] / load_result['weight_bytes']:.2f} | "
-                f"{run['peak_growth_after_touching_weights'] / load_result['weight_bytes']:.2f} |"
+                f"| {run.get('file_written_by', 'transformers')} | {run['library']} | {run['seconds']:.2f} | "
+                f"{run.get('touch_seconds', float('nan')):.2f} | {run['peak_growth'] / weights:.2f} | "
+                f"{run['peak_growth_after_touching_weights'] / weights:.2f} | "
+                f"{'' if decode is None else f'{decode:.0f}'} |"
             )
+        fresh = [r["seconds"] for r in load_result.get("fresh_memory_runs", [])]
+        if fresh:
+            print(f"\nFaulting in {weights / 1e9:.2f} GB of new memory (both cores), same turns: "
+                  + ", ".join(f"{s:.2f}" for s in fresh) + " s")
+        print()
+    mapped = load("mapped_decode")
+    if mapped:
+        ms = mapped["ms_per_step"]
+        print(f"Decode b1 on the same checkpoint, mapped vs read, taking turns: {ms['mapped']:.1f} vs {ms['read']:.1f} ms/step\n")
     moe = load("moe_decode")
     if moe:
         print("\n| experts | active expert MB/token | eqx_models decode ms/step | transformers decode ms/step | eqx_models prefill tok/s | transformers prefill tok/s |\n|---|---|---|---|---|---|")

@@ -164,8 +164,14 @@ try:
     _libc.mmap.restype = ctypes.c_void_p
     _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
     _MAP_FIXED = 0x10  # the same on Linux and macOS; Python's mmap module does not export it
-except (OSError, AttributeError):  # no C library to call (Windows)
+except (OSError, AttributeError, TypeError):  # no C library to call (Windows)
     _libc = None
+
+
+# The kernel maps a file's 2 MiB page-cache folios with one page-table entry each
+# (fewer TLB misses when decode streams the weights) where the virtual address and
+# the file offset agree modulo this.
+_HUGE_PAGE = 2 << 20
 
 
 def map_file_pieces(pieces: list[tuple[int, int, int]]) -> np.ndarray | None:
@@ -173,22 +179,25 @@ def map_file_pieces(pieces: list[tuple[int, int, int]]) -> np.ndarray | None:
     laid end to end, made by mapping each range's pages at its place in one
     reserved region; None where the platform cannot.
 
-    The mappings are private (writing to the buffer copies the page, never
-    touches the file) and live as long as the returned array: the region is a
-    Python `mmap`, unmapped as a whole when the last view of it goes.
+    The region is placed so that addresses and file offsets agree modulo 2 MiB
+    (huge-page mappable while the pieces' sizes are multiples of that). The
+    mappings are private (writing to the buffer copies the page, never touches the
+    file) and live as long as the returned array: the region is a Python `mmap`,
+    unmapped as a whole when the last view of it goes.
     """
     total = sum(nbytes for _, _, nbytes in pieces)
     if _libc is None or total == 0 or not hasattr(mmap, "MAP_PRIVATE"):
         return None
-    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=_PROT_READ_WRITE)
-    buffer = np.frombuffer(region, np.uint8)
-    base, position = buffer.ctypes.data, 0
+    region = mmap.mmap(-1, total + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=_PROT_READ_WRITE)
+    reserved = np.frombuffer(region, np.uint8)
+    start = (pieces[0][1] - reserved.ctypes.data) % _HUGE_PAGE
+    base, position = reserved.ctypes.data + start, 0
     for fd, offset, nbytes in pieces:
         address = _libc.mmap(base + position, nbytes, _PROT_READ_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED, fd, offset)
         if address != base + position:  # MAP_FAILED: leave the whole region to be unmapped
             return None
         position += nbytes
-    return buffer
+    return reserved[start : start + total]
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]], metadata: dict[str, str]) -> None:
