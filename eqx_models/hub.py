@@ -235,7 +235,8 @@ def from_pretrained(
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        arrays = list(pool.map(lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2], map_weights), plan))
+        load = lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2], map_weights)
+        arrays = list(pool.map(load, plan))
     model = jax.tree_util.tree_unflatten(treedef, arrays)
     return model if placement is None else model.with_placement(placement)
 
@@ -255,7 +256,7 @@ def _load_leaf(
     if map_weights and dtype == source.dtype(names[0]) and jax.default_backend() == "cpu":
         mapped = source.map_stack(names)
         if mapped is not None:
-            return _to_jax(mapped[: math.prod((*stacked, *shape)) * dtype.itemsize].view(dtype).reshape(*stacked, *shape))
+            return _to_jax(mapped.view(dtype).reshape(*stacked, *shape))
     out = aligned_empty((*stacked, *shape), dtype)
     parts = out.reshape(-1, *shape)  # a view: C order, as the names come
     for i, name in enumerate(names):

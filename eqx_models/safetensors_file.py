@@ -216,7 +216,11 @@ def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]], metadat
     for name, array in ordered:
         if array.dtype not in dtype_names:
             raise ValueError(f"tensor {name} has dtype {array.dtype}, which safetensors files cannot hold")
-        header[name] = {"dtype": dtype_names[array.dtype], "shape": list(array.shape), "data_offsets": [offset, offset + array.nbytes]}
+        header[name] = {
+            "dtype": dtype_names[array.dtype],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % mmap.PAGESIZE)
