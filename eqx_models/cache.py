@@ -14,10 +14,12 @@ class LayerKV(eqx.Module):
     Inside the scanned decoder the attention sees its layer's cache this way, so
     the decode kernel reads the slice in place; `materialize()` gives the slice
     for everything else. Every cache kind has such a view with the same methods.
+    A cache without value channels (`value_dim` 0) keeps its values in the keys'
+    first channels: `attend_token` then reads them there.
     """
 
     keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
-    values: Float[Array, "layers batch kv_heads kv_seq head_dim"]
+    values: Float[Array, "layers batch kv_heads kv_seq value_dim"]
     index: Int[Array, ""]
 
     @property
@@ -26,7 +28,7 @@ class LayerKV(eqx.Module):
 
     def materialize(
         self,
-    ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]]:
+    ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq value_dim"]]:
         """This layer's keys and values."""
         take = lambda stack: jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
         return take(self.keys), take(self.values)
@@ -37,12 +39,14 @@ class LayerKV(eqx.Module):
         valid: Bool[Array, "batch kv_seq"],
         self_valid: Bool[Array, " batch"],
         new_key: Float[Array, "batch kv_heads head_dim"],
-        new_value: Float[Array, "batch kv_heads head_dim"],
+        new_value: Float[Array, "batch kv_heads value_dim"],
         scale: float,
-    ) -> Float[Array, "batch kv_heads groups head_dim"]:
+        sinks: Float[Array, "kv_heads groups"] | None = None,
+    ) -> Float[Array, "batch kv_heads groups value_dim"]:
         """One new token per row against this layer's slots (see `kernels.decode_attention`)."""
+        values = self.values if self.values.shape[-1] else self.keys
         return decode_attention(
-            query, self.keys, self.values, self.index, valid, self_valid, new_key, new_value, scale
+            query, self.keys, values, self.index, valid, self_valid, new_key, new_value, scale, sinks
         )
 
 
@@ -64,7 +68,7 @@ class KVCache(eqx.Module):
 
     Attributes:
         keys: `[layers, batch, kv_heads, kv_seq, head_dim]`, already rotated.
-        values: `[layers, batch, kv_heads, kv_seq, head_dim]`.
+        values: `[layers, batch, kv_heads, kv_seq, value_dim]` (`value_dim` 0: the keys' first channels serve).
         slot_positions: `[batch, kv_seq]`, each slot's token position or -1.
         positions: `[batch]`, real tokens seen per row.
         length: scalar, slots written so far (same for every row; past `max_length`
@@ -73,11 +77,20 @@ class KVCache(eqx.Module):
     """
 
     keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
-    values: Float[Array, "layers batch kv_heads kv_seq head_dim"]
+    values: Float[Array, "layers batch kv_heads kv_seq value_dim"]
     slot_positions: Int[Array, "batch kv_seq"]
     positions: Int[Array, " batch"]
     length: Int[Array, ""]
     window: int | None = eqx.field(static=True, default=None)
+
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """The logical axes of each array (for sharding rules).
+
+        Returns:
+            Field name -> axis names.
+        """
+        kv = ("layers", "batch", "kv_heads", "kv_seq", "head_dim")
+        return {"keys": kv, "values": kv, "slot_positions": ("batch", "kv_seq"), "positions": ("batch",), "length": ()}
 
     @classmethod
     def empty(
@@ -89,6 +102,7 @@ class KVCache(eqx.Module):
         head_dim: int,
         dtype=jnp.float32,
         window: int | None = None,
+        value_dim: int | None = None,
     ) -> "KVCache":
         """A cache with nothing written (`CausalLM.init_cache` fills these in).
 
@@ -98,18 +112,21 @@ class KVCache(eqx.Module):
             num_kv_heads: key/value heads.
             max_length: slots per row (a ring of `min(max_length, window)` slots with
                 a `window`).
-            head_dim: width of one head.
+            head_dim: width of one key (and, by default, value) row.
             dtype: keys and values dtype.
             window: the sliding window, or None for a plain buffer.
+            value_dim: width of a value row when it differs from `head_dim`; 0 for
+                values read from the keys' first channels (see `LayerKV`).
 
         Returns:
             A `KVCache` whose slots are all empty (`slot_positions` -1).
         """
         slots = max_length if window is None else min(max_length, window)
         shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
+        value_dim = head_dim if value_dim is None else value_dim
         return cls(
             keys=jnp.zeros(shape, dtype),
-            values=jnp.zeros(shape, dtype),
+            values=jnp.zeros((*shape[:-1], value_dim), dtype),
             slot_positions=jnp.full((batch_size, slots), -1, jnp.int32),
             positions=jnp.zeros((batch_size,), jnp.int32),
             length=jnp.zeros((), jnp.int32),
@@ -156,7 +173,7 @@ class KVCache(eqx.Module):
     def append(
         self,
         new_keys: Float[Array, "layers batch kv_heads seq head_dim"],
-        new_values: Float[Array, "layers batch kv_heads seq head_dim"],
+        new_values: Float[Array, "layers batch kv_heads seq value_dim"],
         attention_mask: Int[Array, "batch seq"],
     ) -> "KVCache":
         """Writes one step's keys/values after the last written slot.
@@ -186,14 +203,17 @@ class KVCache(eqx.Module):
                 "max_length slots. Create a larger cache with model.init_cache(batch, max_length).",
             )
             keys = write_slots(self.keys, new_keys, start)
-            values = write_slots(self.values, new_values, start)
+            values = write_slots(self.values, new_values, start) if self.values.size else self.values
             slot_positions = jax.lax.dynamic_update_slice(self.slot_positions, new_slot_positions, (0, start))
         else:
             # Only the newest `max_length` tokens can still be attended to.
             keep = min(seq, self.max_length)
             start = (self.length + seq - keep) % self.max_length
             keys = write_slots(self.keys, new_keys[:, :, :, seq - keep :], start, wrap=True)
-            values = write_slots(self.values, new_values[:, :, :, seq - keep :], start, wrap=True)
+            values = (
+                write_slots(self.values, new_values[:, :, :, seq - keep :], start, wrap=True)
+                if self.values.size else self.values
+            )
             slots = (start + jnp.arange(keep)) % self.max_length
             slot_positions = self.slot_positions.at[:, slots].set(new_slot_positions[:, seq - keep :])
         return KVCache(

@@ -3,7 +3,7 @@
 import dataclasses
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 # Keys every `transformers` config carries that never change the forward pass.
 GENERIC_IGNORED_KEYS = frozenset(
@@ -82,7 +82,7 @@ GENERIC_IGNORED_KEYS = frozenset(
     }
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
@@ -91,12 +91,50 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """How one layer attends, as far as the decoder prepares it for the layer.
+
+    Layers of the same kind share their rotary tables and masks; the decoder builds
+    them once per distinct kind and hands each layer its own.
+
+    Attributes:
+        rope_theta: the rotary base, or None for a layer without rotary positions
+            (NoPE).
+        rope_scaling: the frozen `rope_scaling` (see `DecoderConfig`), or None.
+        window: the sliding window (the last `window` positions, the token itself
+            included), or None for full attention.
+    """
+
+    rope_theta: float | None
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    window: int | None = None
+
+
+class CacheLayout(NamedTuple):
+    """Per layer and token, what a KV cache stores (see `DecoderConfig.cache_layout`).
+
+    Attributes:
+        kv_heads: rows per token.
+        key_dim: key channels per row.
+        value_dim: value channels per row; 0 when the values are the keys' first
+            channels and are not stored apart.
+    """
+
+    kv_heads: int
+    key_dim: int
+    value_dim: int
+
+
+@dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """Hyperparameters of a decoder-only language model.
 
     Field names follow Hugging Face `transformers`. The dataclass is frozen and
     hashable, so models keep it as a static field. Each architecture's
-    `config_from_hf` fills it from `config.json`.
+    `config_from_hf` fills it from `config.json`. The fields here are the ones that
+    cut across families; an architecture with settings of its own subclasses it
+    (`eqx_models.models.gemma3.Gemma3Config`) and overrides `attention_kinds` when
+    its layers attend differently.
 
     Attributes:
         model_type: HF `model_type` (`"qwen3"`, `"llama"`, ...).
@@ -112,6 +150,8 @@ class DecoderConfig:
         rope_theta: rotary base.
         rope_scaling: HF's `rope_scaling` dict frozen as sorted `(key, value)` pairs,
             or None.
+        partial_rotary_factor: the fraction of each query/key head that rotates
+            (the first channels).
         tie_word_embeddings: the head reuses the embedding table.
         attention_bias: biases on the q/k/v projections.
         o_proj_bias: a bias on the attention output projection (Llama: as
@@ -121,14 +161,8 @@ class DecoderConfig:
         hidden_act: the MLP's gate activation (`silu` or `gelu_pytorch_tanh`).
         sliding_window: each token sees the last `sliding_window` positions; None
             for full attention.
-        layer_types: per layer, `"sliding_attention"` or `"full_attention"` (Gemma 3);
-            None means every layer slides when `sliding_window` is set.
-        local_rope_theta: the rotary base of sliding layers, when it differs.
-        norm_unit_offset: RMSNorm scales by `1 + w` (Gemma).
-        sandwich_norms: norms before and after both sublayers (Gemma).
-        embed_scale: factor on the embedding output (Gemma: `sqrt(hidden_size)`).
-        query_pre_attn_scalar: scores scaled by `query_pre_attn_scalar ** -0.5`
-            instead of `head_dim ** -0.5`.
+        layer_types: per layer, `"sliding_attention"` or `"full_attention"` (Gemma,
+            gpt-oss, ...); None means every layer slides when `sliding_window` is set.
         num_experts: experts per sparse layer (0: every MLP is dense).
         num_experts_per_tok: experts each token is routed to.
         moe_intermediate_size: width of one expert.
@@ -151,6 +185,7 @@ class DecoderConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    partial_rotary_factor: float = 1.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
@@ -159,11 +194,6 @@ class DecoderConfig:
     hidden_act: str = "silu"
     sliding_window: int | None = None
     layer_types: tuple[str, ...] | None = None
-    local_rope_theta: float | None = None
-    norm_unit_offset: bool = False
-    sandwich_norms: bool = False
-    embed_scale: float | None = None
-    query_pre_attn_scalar: float | None = None
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
@@ -207,6 +237,38 @@ class DecoderConfig:
             return (True,) * self.num_hidden_layers
         return tuple(t == "sliding_attention" for t in self.layer_types)
 
+    def cache_layout(self) -> "CacheLayout":
+        """What the KV cache holds per layer and token: `kv_heads` rows of
+        `key_dim` key channels and `value_dim` value channels.
+
+        The default: the attention's key/value heads and `head_dim`. An attention
+        that caches something else overrides it (Multi-head Latent Attention: one
+        latent row per token, whose first channels serve as the values, so
+        `value_dim` 0).
+
+        Returns:
+            A `CacheLayout`.
+        """
+        return CacheLayout(self.num_key_value_heads, self.head_dim, self.head_dim)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of a query/key head that rotate (the first ones)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def attention_kinds(self) -> tuple["AttentionKind", ...]:
+        """Per layer, how it attends: its rotary base and scaling, and its window.
+
+        The default: every layer rotates with `rope_theta` / `rope_scaling`, and the
+        sliding layers see the last `sliding_window` positions.
+
+        Returns:
+            One `AttentionKind` per layer.
+        """
+        full = AttentionKind(self.rope_theta, self.rope_scaling, None)
+        local = AttentionKind(self.rope_theta, self.rope_scaling, self.sliding_window)
+        return tuple(local if sliding else full for sliding in self.sliding_layers)
+
     @property
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose MLP is a mixture of experts (none without experts)."""
@@ -233,7 +295,11 @@ def freeze_rope_scaling(scaling: Mapping[str, Any] | None) -> tuple[tuple[str, A
     """Turns a `rope_scaling` dict into the hashable form `DecoderConfig` stores."""
     if not scaling:
         return None
-    frozen = {k: v for k, v in scaling.items() if k != "rope_theta"}
+    frozen = {
+        k: tuple(v) if isinstance(v, list) else v
+        for k, v in scaling.items()
+        if k not in ("rope_theta", "partial_rotary_factor")
+    }
     if "type" in frozen and "rope_type" not in frozen:
         frozen["rope_type"] = frozen.pop("type")
     if frozen.get("rope_type", "default") == "default" and len(frozen) <= 1:
@@ -241,21 +307,26 @@ def freeze_rope_scaling(scaling: Mapping[str, Any] | None) -> tuple[tuple[str, A
     return tuple(sorted(frozen.items()))
 
 
-def read_rope(hf: Mapping[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
-    """Reads `rope_theta` and the scaling from either HF spelling.
+def read_rope(hf: Mapping[str, Any], *, partial_rotary: bool = False) -> tuple[float, tuple | None, float]:
+    """Reads `rope_theta`, the scaling and the partial rotary factor from either HF
+    spelling.
 
-    transformers 5 writes `rope_parameters` (theta inside); older configs write a
-    top-level `rope_theta` and a `rope_scaling` dict.
+    transformers 5 writes `rope_parameters` (theta and the factor inside); older
+    configs write a top-level `rope_theta`, `partial_rotary_factor` and a
+    `rope_scaling` dict. A factor other than 1 is refused unless the family
+    implements it (`partial_rotary`).
     """
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or params
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    partial = (scaling or {}).get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial = params.get("partial_rotary_factor") or (hf.get("rope_scaling") or {}).get("partial_rotary_factor")
+    partial = float(partial or hf.get("partial_rotary_factor") or 1.0)
+    if partial != 1.0 and not partial_rotary:
         raise ConfigError(
-            f"partial_rotary_factor={partial} is not supported; only full rotary embeddings are."
+            f"partial_rotary_factor={partial} is not supported for model_type {hf.get('model_type')!r}, whose "
+            "reference rotates every channel of a head."
         )
-    return float(theta), freeze_rope_scaling(scaling)
+    return float(theta), freeze_rope_scaling(scaling), partial
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:
@@ -299,8 +370,14 @@ def decoder_config_from_hf(
     *,
     use_qk_norm: bool,
     extra_ignored: frozenset[str] = frozenset(),
+    config_class: type[DecoderConfig] = DecoderConfig,
+    partial_rotary: bool = False,
+    **fields: Any,
 ) -> DecoderConfig:
-    """Builds a `DecoderConfig` from the Llama-family fields of an HF config dict."""
+    """Builds a `DecoderConfig` (or `config_class`) from the Llama-family fields of
+    an HF config dict; `fields` set or replace fields (an architecture's own, or
+    what it reads differently). `partial_rotary` accepts a `partial_rotary_factor`
+    other than 1."""
     model_type = hf.get("model_type", "?")
     required = [
         "vocab_size",
@@ -319,11 +396,12 @@ def decoder_config_from_hf(
         "attention_bias",
         "mlp_bias",
         "hidden_act",
+        "partial_rotary_factor",  # read (and refused unless implemented) by read_rope
     }
     check_keys(hf, model_type, used, extra_ignored)
     heads = hf["num_attention_heads"]
-    theta, scaling = read_rope(hf)
-    return DecoderConfig(
+    theta, scaling, partial = read_rope(hf, partial_rotary=partial_rotary)
+    common = dict(
         model_type=model_type,
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -336,6 +414,7 @@ def decoder_config_from_hf(
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
+        partial_rotary_factor=partial,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=bool(hf.get("attention_bias", False)),
         o_proj_bias=bool(hf.get("attention_bias", False)),
@@ -346,6 +425,7 @@ def decoder_config_from_hf(
         eos_token_id=eos_ids(hf.get("eos_token_id")),
         pad_token_id=hf.get("pad_token_id"),
     )
+    return config_class(**{**common, **fields})
 
 
 def decoder_config_to_hf(config: DecoderConfig) -> dict[str, Any]:
@@ -365,7 +445,7 @@ def decoder_config_to_hf(config: DecoderConfig) -> dict[str, Any]:
         "rms_norm_eps": config.rms_norm_eps,
         "rope_theta": config.rope_theta,
         "rope_scaling": config.rope_scaling_dict,
-        "rope_parameters": {**rope, "rope_theta": config.rope_theta},
+        "rope_parameters": {**rope, "rope_theta": config.rope_theta, "partial_rotary_factor": config.partial_rotary_factor},
         "tie_word_embeddings": config.tie_word_embeddings,
         "attention_bias": config.attention_bias,
         "hidden_act": config.hidden_act,

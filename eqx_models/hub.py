@@ -114,15 +114,16 @@ def _leaf_names(path) -> str:
 
 
 def _hf_names(
-    name: str, leaf_shape: tuple[int, ...], rename, substacks: dict[str, tuple[int, ...]]
+    name: str, leaf_shape: tuple[int, ...], rename, substacks: dict[str, tuple[int, ...]], fused_experts: bool = False
 ) -> tuple[list[str], tuple[int, ...]]:
     """HF tensor names of one of our leaves, and the leading axes they stack along.
 
     A leaf of the layer stack holds one tensor per layer (`model.layers.{i}....`),
-    an experts leaf one per layer and expert (`....experts.{e}....`); the names
-    come in C order of those axes. A leaf under a `substacks` path (`mlp.dense.`)
-    holds only the layers listed for it, and that path's last component is not part
-    of the HF name. `rename` maps our names to the architecture's.
+    an experts leaf one per layer and expert (`....experts.{e}....`), or with
+    `fused_experts` one per layer holding every expert; the names come in C order
+    of those axes. A leaf under a `substacks` path (`mlp.dense.`) holds only the
+    layers listed for it, and that path's last component is not part of the HF
+    name. `rename` maps our names to the architecture's.
     """
     if not name.startswith(STACKED_PREFIX):
         return [rename(name)], ()
@@ -132,13 +133,23 @@ def _hf_names(
         if rest.startswith(path):
             layers = numbers
             rest = path.rstrip(".").rsplit(".", 1)[0] + "." + rest[len(path):]
-    if f".{EXPERTS_COMPONENT}" not in f".{rest}":
+    if fused_experts or f".{EXPERTS_COMPONENT}" not in f".{rest}":
         return [rename(f"{STACKED_PREFIX}{i}.{rest}") for i in layers], leaf_shape[:1]
     before, after = rest.split(EXPERTS_COMPONENT, 1)
     names = [
         rename(f"{STACKED_PREFIX}{i}.{before}{EXPERTS_COMPONENT}{e}.{after}") for i in layers for e in range(leaf_shape[1])
     ]
     return names, leaf_shape[:2]
+
+
+def _transposed_in_checkpoint(name: str, tensor_shape: tuple[int, ...], fused_experts: bool) -> bool:
+    """Whether the checkpoint holds this tensor `[experts, in, out]` where we hold
+    `[experts, out, in]`: the expert weights of an architecture with `fused_experts`."""
+    return fused_experts and f".{EXPERTS_COMPONENT}" in f".{name}" and len(tensor_shape) == 3
+
+
+def _swap_last(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (*shape[:-2], shape[-1], shape[-2])
 
 
 def from_pretrained(
@@ -209,20 +220,25 @@ def from_pretrained(
     consumed = set()
     targets = [None] * len(leaves) if placement is None else jax.tree.leaves(shardings(skeleton, placement))
     for (path, leaf), target in zip(leaves, targets):
-        names, stacked = _hf_names(_leaf_names(path), leaf.shape, arch.tensor_name, skeleton.model.substack_layers())
+        ours = _leaf_names(path)
+        names, stacked = _hf_names(ours, leaf.shape, arch.tensor_name, skeleton.model.substack_layers(),
+                                   arch.fused_experts)
         expected = leaf.shape[len(stacked):]
+        transposed = _transposed_in_checkpoint(ours, expected, arch.fused_experts)
+        expected = _swap_last(expected) if transposed else expected
         for name in names:
             if name not in source.location:
                 problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
             elif source.shape(name) != tuple(expected):
                 problems.append(f"tensor {name} has shape {source.shape(name)}, expected {tuple(expected)}")
         consumed.update(names)
-        plan.append((names, stacked, target))
+        plan.append((names, stacked, target, transposed))
     unexpected = sorted(
         n
         for n in set(source.location) - consumed
         if not n.endswith(IGNORED_TENSOR_SUFFIXES)
         and not (config.tie_word_embeddings and n == "lm_head.weight")
+        and not (arch.skips_tensor is not None and arch.skips_tensor(config, n))
     )
     problems += [f"unexpected tensor {n} (shape {source.shape(n)})" for n in unexpected]
     if problems:
@@ -235,22 +251,33 @@ def from_pretrained(
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        load = lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2], map_weights)
+        load = lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2], map_weights, entry[3])
         arrays = list(pool.map(load, plan))
     model = jax.tree_util.tree_unflatten(treedef, arrays)
     return model if placement is None else model.with_placement(placement)
 
 
 def _load_leaf(
-    source: TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype, sharding=None, map_weights=False
+    source: TensorSource, names: list[str], stacked: tuple[int, ...], target_dtype, sharding=None, map_weights=False,
+    transposed=False,
 ) -> jax.Array:
     """Reads one leaf (its per-layer / per-expert tensors stacked) into one final
     buffer, or with a `sharding`, each device's part of it into that device; maps
-    the file's pages instead where `map_weights` and the layout allow."""
+    the file's pages instead where `map_weights` and the layout allow. With
+    `transposed` the file's tensors are `[..., in, out]` and are read whole, one at
+    a time, and transposed into the leaf."""
     dtype = source.dtype(names[0])
     if target_dtype is not None and jnp.issubdtype(dtype, jnp.floating):
         dtype = np.dtype(target_dtype)
     shape = source.shape(names[0])
+    if transposed:
+        out = aligned_empty((*stacked, *_swap_last(shape)), dtype)
+        parts = out.reshape(-1, *out.shape[len(stacked):])
+        staging = np.empty(shape, source.dtype(names[0]))
+        for i, name in enumerate(names):
+            source.read_into(name, staging)
+            parts[i] = np.swapaxes(staging, -1, -2)
+        return _to_jax(out) if sharding is None else jax.device_put(out, sharding)
     if sharding is not None:
         return _load_sharded_leaf(source, names, stacked, shape, dtype, sharding)
     if map_weights and dtype == source.dtype(names[0]) and jax.default_backend() == "cpu":
@@ -294,13 +321,16 @@ def _load_sharded_leaf(source, names, stacked, shape, dtype, sharding) -> jax.Ar
     return jax.make_array_from_single_device_arrays(global_shape, sharding, pieces)
 
 
-def _hf_tensors(model: CausalLM, rename) -> list[tuple[str, jax.Array, tuple[int, ...]]]:
-    """`(hf_name, leaf, index into the leaf)` for every weight, layers and experts unstacked."""
+def _hf_tensors(model: CausalLM, arch) -> list[tuple[str, jax.Array, tuple[int, ...], bool]]:
+    """`(hf_name, leaf, index into the leaf, transposed in the file)` for every weight,
+    layers and experts unstacked."""
     out = []
     substacks = model.model.substack_layers()
     for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]:
-        names, stacked = _hf_names(_leaf_names(path), leaf.shape, rename, substacks)
-        out += [(hf, leaf, tuple(map(int, np.unravel_index(i, stacked)))) for i, hf in enumerate(names)]
+        ours = _leaf_names(path)
+        names, stacked = _hf_names(ours, leaf.shape, arch.tensor_name, substacks, arch.fused_experts)
+        transposed = _transposed_in_checkpoint(ours, leaf.shape[len(stacked):], arch.fused_experts)
+        out += [(hf, leaf, tuple(map(int, np.unravel_index(i, stacked))), transposed) for i, hf in enumerate(names)]
     return out
 
 
@@ -341,7 +371,7 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
 
     shards: list[list[tuple[str, jax.Array, tuple[int, ...]]]] = [[]]
     shard_bytes = 0
-    for entry in _hf_tensors(model, arch.tensor_name):
+    for entry in _hf_tensors(model, arch):
         leaf, index = entry[1], entry[2]
         nbytes = leaf.nbytes // math.prod(leaf.shape[: len(index)])
         if shards[-1] and shard_bytes + nbytes > max_shard_size:
@@ -359,7 +389,11 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     weight_map = {}
     total = 0
     for file_name, shard in zip(file_names, shards):
-        tensors = [(name, np.asarray(leaf[index])) for name, leaf, index in shard]
+        tensors = [
+            (name, np.ascontiguousarray(np.swapaxes(np.asarray(leaf[index]), -1, -2)) if transposed
+             else np.asarray(leaf[index]))
+            for name, leaf, index, transposed in shard
+        ]
         write_safetensors(directory / file_name, tensors, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys((name for name, _ in tensors), file_name))
         total += sum(a.nbytes for _, a in tensors)

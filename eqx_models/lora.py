@@ -46,6 +46,10 @@ class LoraLinear(eqx.Module):
     def weight(self):
         return self.base.weight
 
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        out_axis, in_axis = self.base.axes
+        return {"lora_A": (None, in_axis), "lora_B": (out_axis, None)}
+
     @property
     def bias(self):
         return self.base.bias

@@ -22,7 +22,7 @@ class PagedLayerKV(eqx.Module):
     """
 
     keys: Float[Array, "layers pages kv_heads page_size head_dim"]
-    values: Float[Array, "layers pages kv_heads page_size head_dim"]
+    values: Float[Array, "layers pages kv_heads page_size value_dim"]
     block_tables: Int[Array, "batch pages_per_row"]
     index: Int[Array, ""]
 
@@ -32,7 +32,7 @@ class PagedLayerKV(eqx.Module):
 
     def materialize(
         self,
-    ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq head_dim"]]:
+    ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq value_dim"]]:
         """Each row's keys and values of this layer, slot `s` = the row's token `s`."""
         return (
             gather_pages(self.keys, self.index, self.block_tables),
@@ -45,12 +45,14 @@ class PagedLayerKV(eqx.Module):
         valid: Bool[Array, "batch kv_seq"],
         self_valid: Bool[Array, " batch"],
         new_key: Float[Array, "batch kv_heads head_dim"],
-        new_value: Float[Array, "batch kv_heads head_dim"],
+        new_value: Float[Array, "batch kv_heads value_dim"],
         scale: float,
-    ) -> Float[Array, "batch kv_heads groups head_dim"]:
+        sinks: Float[Array, "kv_heads groups"] | None = None,
+    ) -> Float[Array, "batch kv_heads groups value_dim"]:
         """One new token per row against this layer's pages (`kernels.paged_decode_attention`)."""
         return paged_decode_attention(
-            query, self.keys, self.values, self.index, self.block_tables, valid, self_valid, new_key, new_value, scale
+            query, self.keys, self.values if self.values.shape[-1] else self.keys, self.index, self.block_tables,
+            valid, self_valid, new_key, new_value, scale, sinks,
         )
 
 
@@ -69,19 +71,29 @@ class PagedKVCache(eqx.Module):
 
     Attributes:
         keys: `[layers, pages, kv_heads, page_size, head_dim]`, already rotated.
-        values: `[layers, pages, kv_heads, page_size, head_dim]`.
+        values: `[layers, pages, kv_heads, page_size, value_dim]`.
         block_tables: `[batch, pages_per_row]` page ids.
         positions: `[batch]`, tokens already cached per row.
     """
 
     keys: Float[Array, "layers pages kv_heads page_size head_dim"]
-    values: Float[Array, "layers pages kv_heads page_size head_dim"]
+    values: Float[Array, "layers pages kv_heads page_size value_dim"]
     block_tables: Int[Array, "batch pages_per_row"]
     positions: Int[Array, " batch"]
 
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """The logical axes of each array (for sharding rules); pages are never split.
+
+        Returns:
+            Field name -> axis names.
+        """
+        pool = ("layers", None, "kv_heads", None, "head_dim")
+        return {"keys": pool, "values": pool, "block_tables": ("batch", None), "positions": ("batch",)}
+
     @staticmethod
     def empty_pool(
-        num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype=jnp.float32
+        num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype=jnp.float32,
+        value_dim: int | None = None,
     ) -> tuple[Array, Array]:
         """Zeroed key and value pools.
 
@@ -90,14 +102,18 @@ class PagedKVCache(eqx.Module):
             num_pages: pages in the pool.
             num_kv_heads: key/value heads.
             page_size: token slots per page.
-            head_dim: width of one head.
+            head_dim: width of one key (and, by default, value) row.
             dtype: keys and values dtype.
+            value_dim: width of a value row when it differs from `head_dim`; 0 for
+                values read from the keys' first channels.
 
         Returns:
-            `(keys, values)`, each `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`.
+            `(keys, values)`, `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`
+            and the same with `value_dim` last.
         """
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
-        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+        value_dim = head_dim if value_dim is None else value_dim
+        return jnp.zeros(shape, dtype), jnp.zeros((*shape[:-1], value_dim), dtype)
 
     @property
     def page_size(self) -> int:
@@ -153,7 +169,7 @@ class PagedKVCache(eqx.Module):
     def append(
         self,
         new_keys: Float[Array, "layers batch kv_heads seq head_dim"],
-        new_values: Float[Array, "layers batch kv_heads seq head_dim"],
+        new_values: Float[Array, "layers batch kv_heads seq value_dim"],
         attention_mask: Int[Array, "batch seq"],
     ) -> "PagedKVCache":
         """Writes each row's real new tokens into its pages (in place when donated).
@@ -180,7 +196,7 @@ class PagedKVCache(eqx.Module):
         slots = jnp.where(real, page * self.page_size + checked % self.page_size, -1)
         return PagedKVCache(
             keys=write_pages(self.keys, new_keys, slots),
-            values=write_pages(self.values, new_values, slots),
+            values=write_pages(self.values, new_values, slots) if self.values.size else self.values,
             block_tables=self.block_tables,
             positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
         )

@@ -204,58 +204,25 @@ def check_mesh(mesh: Mesh) -> None:
 
 # ---------------------------------------------------------------- logical axes
 
-# Axes of one layer's (one expert's) weight, by the last two parts of its name.
-_WEIGHT_AXES = {
-    "q_proj.weight": ("heads", "embed"),
-    "q_proj.bias": ("heads",),
-    "k_proj.weight": ("kv_heads", "embed"),
-    "k_proj.bias": ("kv_heads",),
-    "v_proj.weight": ("kv_heads", "embed"),
-    "v_proj.bias": ("kv_heads",),
-    "o_proj.weight": ("embed", "heads"),
-    "o_proj.bias": ("embed",),
-    "gate_proj.weight": ("mlp", "embed"),
-    "gate_proj.bias": ("mlp",),
-    "up_proj.weight": ("mlp", "embed"),
-    "up_proj.bias": ("mlp",),
-    "down_proj.weight": ("embed", "mlp"),
-    "down_proj.bias": ("embed",),
-    "gate.weight": ("router", "embed"),  # the MoE router
-    "q_norm.weight": ("head_dim",),
-    "k_norm.weight": ("head_dim",),
-    "embed_tokens.weight": ("vocab", "embed"),
-    "lm_head.weight": ("vocab", "embed"),
-}
-
-CACHE_AXES = {
-    "keys": ("layers", "batch", "kv_heads", "kv_seq", "head_dim"),
-    "values": ("layers", "batch", "kv_heads", "kv_seq", "head_dim"),
-    "slot_positions": ("batch", "kv_seq"),
-    "positions": ("batch",),
-    "length": (),
-}
+# Every module that holds arrays declares their logical axes beside them, in an
+# `array_axes()` method: field name -> axes of one array as the module would hold
+# it alone (one layer, one expert). A field declared with `stacked_field(axis)`
+# holds modules built by `eqx.filter_vmap`, whose arrays all carry a leading `axis`
+# (the decoder's `layers`, an MoE block's `experts`).
+STACKED_AXIS = "eqx_models_stacked_axis"
 
 
-def weight_axes(name: str, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of the parameter at `name` (its path, HF style, layers stacked):
-    `layers` first for stacked leaves, then `experts` under `experts.`."""
-    parts = name.split(".")
-    leading = ("layers",) if name.startswith("model.layers.") else ()
-    if "experts" in parts[:-2]:
-        leading += ("experts",)
-    last_two = ".".join(parts[-2:])
-    if last_two in _WEIGHT_AXES:
-        own = _WEIGHT_AXES[last_two]
-    elif parts[-1] == "weight" and (parts[-2] == "norm" or parts[-2].endswith("layernorm")):
-        own = ("embed",)
-    else:
-        raise ValueError(
-            f"No logical axes known for parameter {name}; add its module to eqx_models.sharding._WEIGHT_AXES."
-        )
-    axes = leading + own
-    if len(axes) != ndim:
-        raise ValueError(f"Parameter {name} has {ndim} axes but its logical axes are {axes}.")
-    return axes
+def stacked_field(axis: str, **kwargs):
+    """A dataclass field whose arrays (at any depth) carry a leading `axis`.
+
+    Args:
+        axis: the logical name of the stacked axis (`"layers"`, `"experts"`).
+        **kwargs: passed on to `eqx.field`.
+
+    Returns:
+        The field.
+    """
+    return eqx.field(metadata={STACKED_AXIS: axis}, **kwargs)
 
 
 def _is_shape(x) -> bool:
@@ -267,25 +234,60 @@ def _array_like(x) -> bool:
 
 
 def _path_name(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
+
+
+def _declared_axes(node, leading: tuple[str, ...], path: tuple, found: dict) -> None:
+    """Fills `found[path] = axes` for every array under `node`."""
+    if isinstance(node, eqx.Module):
+        own = node.array_axes() if hasattr(node, "array_axes") else {}
+        for field in dataclasses.fields(node):
+            if field.metadata.get("static"):
+                continue
+            value = getattr(node, field.name, None)
+            here = path + (jax.tree_util.GetAttrKey(field.name),)
+            if field.name in own and value is not None:
+                axes = leading + tuple(own[field.name])
+                if not _array_like(value) or len(value.shape) != len(axes):
+                    raise ValueError(
+                        f"{_path_name(here)} has shape {getattr(value, 'shape', None)} but its logical axes are "
+                        f"{axes}; fix {type(node).__name__}.array_axes()."
+                    )
+                found[here] = axes
+            else:
+                extra = (field.metadata[STACKED_AXIS],) if STACKED_AXIS in field.metadata else ()
+                _declared_axes(value, leading + extra, here, found)
+        return
+    if _array_like(node):
+        raise ValueError(
+            f"No logical axes declared for the array at {_path_name(path)} (shape {node.shape}); declare them in "
+            "the array_axes() method of the module that holds it."
+        )
+    if isinstance(node, (list, tuple)):
+        for i, child in enumerate(node):
+            _declared_axes(child, leading, path + (jax.tree_util.SequenceKey(i),), found)
+    elif isinstance(node, dict):
+        for key, child in node.items():
+            _declared_axes(child, leading, path + (jax.tree_util.DictKey(key),), found)
 
 
 def logical_axes(tree) -> object:
     """A pytree like `tree` (a model or a cache) with each array replaced by the
-    tuple of its logical axis names."""
-    from .cache import KVCache
+    tuple of its logical axis names, as the modules holding them declare.
 
-    if isinstance(tree, KVCache):
-        return jax.tree_util.tree_map_with_path(lambda path, leaf: CACHE_AXES[_path_name(path)], tree)
+    Raises:
+        ValueError: an array whose module declares no axes for it, or declares a
+            different number of axes than it has.
+    """
+    found: dict = {}
+    _declared_axes(tree, (), (), found)
     return jax.tree_util.tree_map_with_path(
-        lambda path, leaf: weight_axes(_path_name(path), len(leaf.shape)) if _array_like(leaf) else leaf,
-        tree,
-        is_leaf=_is_shape,
+        lambda path, leaf: found[tuple(path)] if _array_like(leaf) else leaf, tree, is_leaf=_is_shape
     )
 
 
 def head_counts(config) -> tuple[tuple[str, int], ...]:
-    return (("heads", config.num_attention_heads), ("kv_heads", config.num_key_value_heads))
+    return (("heads", config.num_attention_heads), ("kv_heads", config.cache_layout().kv_heads))
 
 
 def placement_for(config, mesh: Mesh, sharding=None) -> Placement:
@@ -330,7 +332,7 @@ def shard_model(model, mesh: Mesh, sharding=None):
 
 
 def constrain_cache(cache, placement: Placement):
-    """A `KVCache` with each array constrained to its sharding."""
+    """A cache with each array constrained to its sharding."""
     return jax.tree.map(
         lambda leaf, names: placement.constrain(leaf, names) if eqx.is_array(leaf) else leaf,
         cache,
@@ -456,10 +458,11 @@ def memory_plan(
     if batch_size and max_length:
         # As `init_cache` makes it: a ring of `sliding_window` slots when every layer slides.
         window = config.sliding_window if config.sliding_layers and all(config.sliding_layers) else None
+        layout = config.cache_layout()
         cache = jax.eval_shape(
             lambda: KVCache.empty(
-                config.num_hidden_layers, batch_size, config.num_key_value_heads, max_length, config.head_dim,
-                dtype or jnp.float32, window,
+                config.num_hidden_layers, batch_size, layout.kv_heads, max_length, layout.key_dim,
+                dtype or jnp.float32, window, layout.value_dim,
             )
         )
         plan["cache_bytes"] = total(cache)

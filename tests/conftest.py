@@ -53,8 +53,11 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
     tolerance meaningless; unit-scale weights make the comparison bite.
     """
     generator = torch.Generator().manual_seed(seed)
+    saved = set(model.state_dict())
+    # Saved buffers are weights too (DeepSeek-V3's routing bias).
+    buffers = [(n, b) for n, b in model.named_buffers() if n in saved and b.is_floating_point()]
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *buffers]:
             noise = torch.randn(param.shape, generator=generator)
             if "norm" in name:
                 param.copy_(1.0 + 0.2 * noise)

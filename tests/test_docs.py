@@ -195,3 +195,15 @@ def test_site_builds_strictly_with_api_and_notebooks(tmp_path):
     assert "max |full - cached|:" in quickstart_notebook  # an output, not only the source
     finetune_notebook = (site / "notebooks" / "02_finetune" / "index.html").read_text()
     assert "Reloaded:" in finetune_notebook and "data:image/png;base64" in finetune_notebook
+
+
+def test_models_table_and_readme_row_are_the_registrys():
+    """The docs' models table and the README's models row are generated from the
+    registry (`python -m eqx_models.models`); an edit to either copy alone fails here."""
+    from eqx_models.models import families, models_sentence, models_table
+
+    assert models_table() in (DOCS / "models" / "index.md").read_text()
+    readme_row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| Models |"))
+    assert models_sentence() in readme_row
+    pages = {p.stem for p in (DOCS / "models").glob("*.md")} - {"index"}
+    assert pages == {name for name, _ in families()}, "one page per family, docs/models/<module>.md"

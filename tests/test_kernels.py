@@ -80,12 +80,33 @@ def test_stacked_matvec_keeps_leading_axes_and_differentiates():
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+def attention_float64(query, keys, values, valid, self_valid, new_key, new_value, scale, sinks=None):
+    """One token per row against `keys`/`values` `[batch, kv_heads, kv_seq, _]` and
+    its own key/value, in float64: values are the first `new_value.shape[-1]`
+    channels of `values`' rows; `sinks [kv_heads, groups]` join the softmax; a row
+    with nothing allowed averages every slot."""
+    f64 = lambda a: np.asarray(jnp.asarray(a).astype(jnp.float32), np.float64)
+    value_dim = new_value.shape[-1]
+    keys = np.concatenate([f64(keys), f64(new_key)[:, :, None]], axis=2)
+    values = np.concatenate([f64(values)[..., :value_dim], f64(new_value)[:, :, None]], axis=2)
+    allowed = np.concatenate([valid, np.asarray(self_valid)[:, None]], axis=1)
+    allowed = allowed | ~allowed.any(axis=1, keepdims=True)
+    scores = scale * np.einsum("bkgd,bksd->bkgs", f64(query), keys)
+    scores = np.where(allowed[:, None, None], scores, -np.inf)
+    sink = np.full(scores.shape[1:3], -np.inf) if sinks is None else f64(sinks)
+    top = np.maximum(scores.max(axis=-1), sink[None])[..., None]
+    weights = np.exp(scores - top)
+    weights /= weights.sum(axis=-1, keepdims=True) + np.exp(sink[None, ..., None] - top)
+    return np.einsum("bkgs,bksd->bkgd", weights, values)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "layers, batch, kv_heads, groups, kv_seq, head_dim",
     [(3, 2, 2, 2, 7, 16), (2, 1, 8, 2, 300, 128), (2, 3, 1, 4, 33, 12), (1, 2, 4, 1, 64, 64)],
 )
-def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_heads, groups, kv_seq, head_dim):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_heads, groups, kv_seq, head_dim, with_sinks):
     rng = np.random.default_rng(kv_seq + head_dim)
     query = rng.standard_normal((batch, kv_heads, groups, head_dim)).astype(np.float32)
     keys = jnp.asarray(3 * rng.standard_normal((layers, batch, kv_heads, kv_seq, head_dim)), dtype)
@@ -96,10 +117,58 @@ def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_head
         valid[-1], self_valid[-1] = False, False
     new_key = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
     new_value = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    # Sinks of the scores' size, so they take a real share of the weight.
+    sinks = 3 * rng.standard_normal((kv_heads, groups)).astype(np.float32) if with_sinks else None
     args = (query, keys, values, jnp.int32(layers - 1), valid, self_valid, new_key, new_value)
-    got = jax.jit(decode_attention, static_argnums=8)(*args, head_dim**-0.5)
-    want = _attention_reference(*args, scale=head_dim**-0.5)
+    scale = head_dim**-0.5
+    got = jax.jit(decode_attention, static_argnums=8)(*args, scale, sinks)
+    want = attention_float64(query, keys[layers - 1], values[layers - 1], valid, self_valid, new_key, new_value,
+                             scale, sinks)
     assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    reference = _attention_reference(*args, _sinks_or_none(sinks, kv_heads, groups), scale=scale)
+    np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
+
+
+def _sinks_or_none(sinks, kv_heads, groups):
+    return jnp.full((kv_heads, groups), -jnp.inf) if sinks is None else jnp.asarray(sinks)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_attention_reads_values_from_the_keys_first_channels(dtype, paged):
+    """Multi-head Latent Attention's cache: one row per token, no value rows; the
+    values are the first `value_dim` channels of the keys."""
+    rng = np.random.default_rng(7)
+    layers, batch, groups, kv_seq, key_dim, value_dim = 2, 2, 6, 24, 40, 32
+    keys = jnp.asarray(rng.standard_normal((layers, batch, 1, kv_seq, key_dim)), dtype)
+    no_values = jnp.zeros((layers, batch, 1, kv_seq, 0), dtype)
+    query = rng.standard_normal((batch, 1, groups, key_dim)).astype(np.float32)
+    valid = rng.random((batch, kv_seq)) < 0.8
+    self_valid = np.ones(batch, bool)
+    new_key = rng.standard_normal((batch, 1, key_dim)).astype(np.float32)
+    new_value = new_key[..., :value_dim]
+    scale = key_dim**-0.5
+    want = attention_float64(query, keys[1], keys[1], valid, self_valid, new_key, new_value, scale)
+    if paged:  # each row's slots in 4 pages of 6, the pages shuffled in the pool
+        pages = keys.reshape(layers, batch, 1, 4, 6, key_dim).transpose(0, 1, 3, 2, 4, 5).reshape(layers, 8, 1, 6, key_dim)
+        order = rng.permutation(8)
+        pool = pages[:, np.argsort(order)]
+        tables = jnp.asarray(order.reshape(batch, 4).astype(np.int32))
+        attend = jax.jit(paged_decode_attention, static_argnums=9)
+        got = attend(query, pool, pool, jnp.int32(1), tables, valid, self_valid, new_key, new_value, scale)
+    else:
+        got = jax.jit(decode_attention, static_argnums=8)(
+            query, keys, keys, jnp.int32(1), valid, self_valid, new_key, new_value, scale
+        )
+    assert got.shape == (batch, 1, groups, value_dim)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    # The cache view makes that choice itself when it holds no value rows.
+    from eqx_models.cache import LayerKV
+
+    view = LayerKV(keys, no_values, jnp.int32(1))
+    attend_token = jax.jit(lambda view, *args: view.attend_token(*args, scale))
+    got = attend_token(view, *map(jnp.asarray, (query, valid, self_valid, new_key, new_value)))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -150,13 +219,11 @@ def test_paged_decode_attention_reads_each_rows_pages(dtype, page_size, pages_pe
     gathered = np.stack([np.concatenate([np.asarray(keys[1, p]) for p in row], axis=1) for row in tables])
     gathered_values = np.stack([np.concatenate([np.asarray(values[1, p]) for p in row], axis=1) for row in tables])
     np.testing.assert_array_equal(np.asarray(gather_pages(keys, jnp.int32(1), jnp.asarray(tables))), gathered)
-    want = _attention_reference(
-        query, jnp.asarray(gathered)[None], jnp.asarray(gathered_values)[None], jnp.int32(0), valid, self_valid,
-        new_key, new_value, scale=head_dim**-0.5,
-    )
+    want = attention_float64(query, gathered, gathered_values, valid, self_valid, new_key, new_value, head_dim**-0.5)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    np.testing.assert_allclose(_paged_attention_reference(*args, scale=head_dim**-0.5), want, atol=1e-5, rtol=0)
+    no_sinks = _sinks_or_none(None, kv_heads, groups)
+    np.testing.assert_allclose(_paged_attention_reference(*args, no_sinks, scale=head_dim**-0.5), want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -27,6 +27,9 @@ CASES = {
     "qwen3-mha-tied": ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3-gqa-head-dim": ("qwen3", dict(num_key_value_heads=2, head_dim=16)),
     "qwen3-mqa": ("qwen3", dict(num_key_value_heads=1, head_dim=12)),
+    # Qwen3's long-context setting: YaRN with a factor of 4 over an original length the prompt passes.
+    "qwen3-yarn-rope": ("qwen3", dict(rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32), max_position_embeddings=128)),
     "qwen2-gqa": ("qwen2", dict(num_key_value_heads=2)),
     "qwen2-mha-tied": ("qwen2", dict(num_key_value_heads=4, tie_word_embeddings=True)),
     "qwen3-moe-norm-topk": (
@@ -70,6 +73,26 @@ CASES = {
             },
         ),
     ),
+    # A prompt (40) past original_max_position_embeddings (32): every call uses the long factors.
+    "phi3-longrope-long": (
+        "phi3",
+        dict(partial_rotary_factor=0.75, original_max_position_embeddings=32, rope_scaling=dict(
+            rope_type="longrope", short_factor=[1.0, 1.2, 1.5], long_factor=[2.0, 3.0, 4.0])),
+    ),
+    "phi3-mini-4k-window": ("phi3", dict(sliding_window=7, num_key_value_heads=4)),
+    "smollm3-sliding-nope-layers": ("smollm3", dict(use_sliding_window=True, sliding_window=6, no_rope_layer_interval=3)),
+    "gemma2-no-softcaps-tied": (
+        "gemma2", dict(sliding_window=6, head_dim=8, attn_logit_softcapping=None, final_logit_softcapping=None),
+    ),
+    "exaone4-global-rope": ("exaone4", dict(sliding_window=None, layer_types=["full_attention"] * 3, head_dim=16)),
+    "cohere2-pattern": ("cohere2", dict(num_hidden_layers=5, sliding_window=7, sliding_window_pattern=3, logit_scale=2.0)),
+    "olmo2-gqa-tied": ("olmo2", dict(num_key_value_heads=1, tie_word_embeddings=True)),
+    # One expert per token, one key/value head, YaRN with its default truncation, no bias on q/k/v/o.
+    "gpt-oss-top1-mqa-no-attention-bias": ("gpt_oss", dict(
+        num_local_experts=3, num_experts_per_tok=1, num_key_value_heads=1, sliding_window=5, attention_bias=False,
+        rope_parameters=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64, rope_theta=5000.0),
+    )),
+    "granite-untied-gqa": ("granite", dict(num_key_value_heads=1, embedding_multiplier=0.5, logits_scaling=0.5)),
 }
 
 # Longer than the llama3 case's original_max_position_embeddings (32), so the

@@ -64,6 +64,83 @@ MIXTRAL_8X7B = dict(
     output_router_logits=False, router_aux_loss_coef=0.02, router_jitter_noise=0.0,
 )
 
+GEMMA_2_2B = dict(
+    model_type="gemma2", architectures=["Gemma2ForCausalLM"], vocab_size=256000, hidden_size=2304,
+    intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+    max_position_embeddings=8192, rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=4096,
+    query_pre_attn_scalar=256, final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+    hidden_activation="gelu_pytorch_tanh", hidden_act="gelu_pytorch_tanh", attention_bias=False,
+    tie_word_embeddings=True, cache_implementation="hybrid",
+)
+PHI_3_MINI_4K = dict(
+    model_type="phi3", architectures=["Phi3ForCausalLM"], vocab_size=32064, hidden_size=3072,
+    intermediate_size=8192, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    max_position_embeddings=4096, original_max_position_embeddings=4096, rope_theta=10000.0, rope_scaling=None,
+    rms_norm_eps=1e-5, sliding_window=2047, hidden_act="silu", tie_word_embeddings=False, embd_pdrop=0.0,
+    resid_pdrop=0.0, attention_dropout=0.0,
+)
+# Long and short factors: 48 each in the release (their values do not change any shape).
+PHI_4_MINI = dict(
+    PHI_3_MINI_4K, vocab_size=200064, num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
+    max_position_embeddings=131072, sliding_window=262144, tie_word_embeddings=True,
+    rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[1.0] * 48),
+)
+OLMO_2_7B = dict(
+    model_type="olmo2", architectures=["Olmo2ForCausalLM"], vocab_size=100352, hidden_size=4096,
+    intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
+    max_position_embeddings=4096, rope_theta=500000, rms_norm_eps=1e-6, attention_bias=False,
+    tie_word_embeddings=False, hidden_act="silu",
+)
+SMOLLM3_3B = dict(
+    model_type="smollm3", architectures=["SmolLM3ForCausalLM"], vocab_size=128256, hidden_size=2048,
+    intermediate_size=11008, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=4,
+    max_position_embeddings=65536, rope_theta=5000000.0, rms_norm_eps=1e-6,
+    no_rope_layers=[int((i + 1) % 4 != 0) for i in range(36)], use_sliding_window=False, sliding_window=None,
+    tie_word_embeddings=True, hidden_act="silu", attention_bias=False, mlp_bias=False,
+)
+GRANITE_3_1_8B = dict(
+    model_type="granite", architectures=["GraniteForCausalLM"], vocab_size=49155, hidden_size=4096,
+    intermediate_size=12800, num_hidden_layers=40, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=131072, rope_theta=10000000.0, rms_norm_eps=1e-5, embedding_multiplier=12.0,
+    residual_multiplier=0.22, attention_multiplier=0.0078125, logits_scaling=16.0, tie_word_embeddings=True,
+    attention_bias=False, mlp_bias=False, hidden_act="silu",
+)
+EXAONE_4_0_32B = dict(
+    model_type="exaone4", architectures=["Exaone4ForCausalLM"], vocab_size=102400, hidden_size=5120,
+    intermediate_size=27392, num_hidden_layers=64, num_attention_heads=40, num_key_value_heads=8, head_dim=128,
+    max_position_embeddings=131072, sliding_window=4096, sliding_window_pattern=4, rope_theta=1000000.0,
+    rope_scaling=dict(rope_type="llama3", factor=16.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+    rms_norm_eps=1e-5, tie_word_embeddings=False, hidden_act="silu",
+)
+COMMAND_R7B = dict(
+    model_type="cohere2", architectures=["Cohere2ForCausalLM"], vocab_size=256000, hidden_size=4096,
+    intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    max_position_embeddings=8192, sliding_window=4096, sliding_window_pattern=4, layer_norm_eps=1e-5,
+    logit_scale=0.25, rope_theta=50000.0, tie_word_embeddings=True, hidden_act="silu", attention_bias=False,
+)
+GPT_OSS_20B = dict(
+    model_type="gpt_oss", architectures=["GptOssForCausalLM"], vocab_size=201088, hidden_size=2880,
+    intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+    num_local_experts=32, num_experts_per_tok=4, sliding_window=128, max_position_embeddings=131072,
+    rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, hidden_act="silu", swiglu_limit=7.0,
+    initial_context_length=4096, router_aux_loss_coef=0.9, output_router_logits=False,
+    rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                      original_max_position_embeddings=4096), rope_theta=150000,
+)
+DEEPSEEK_V3 = dict(
+    model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], vocab_size=129280, hidden_size=7168,
+    intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+    num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5, kv_lora_rank=512,
+    q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=8, topk_group=4,
+    num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                      original_max_position_embeddings=4096),
+    topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, ep_size=1, num_nextn_predict_layers=1,
+    aux_loss_alpha=0.001, seq_aux=True,
+)
+
 # Totals as published on the model cards / safetensors metadata.
 PUBLISHED = {
     "Qwen3-0.6B": (QWEN3_0_6B, 596_049_920),
@@ -74,6 +151,22 @@ PUBLISHED = {
     "Mistral-7B-v0.1": (MISTRAL_7B_V0_1, 7_241_732_096),
     "Gemma-3-1B": (GEMMA_3_1B, 999_885_952),
     "Mixtral-8x7B-v0.1": (MIXTRAL_8X7B, 46_702_792_704),
+    "Gemma-2-2B": (GEMMA_2_2B, 2_614_341_888),
+    "Phi-3-mini-4k": (PHI_3_MINI_4K, 3_821_079_552),
+    "Phi-4-mini": (PHI_4_MINI, 3_836_021_760),
+    "OLMo-2-1124-7B": (OLMO_2_7B, 7_298_617_344),
+}
+# Model cards that give the count in billions only: (config, billions, embeddings counted).
+PUBLISHED_ROUNDED = {
+    "SmolLM3-3B": (SMOLLM3_3B, 3.08, True),
+    "Granite-3.1-8B": (GRANITE_3_1_8B, 8.17, True),
+    "EXAONE-4.0-32B": (EXAONE_4_0_32B, 30.95, False),  # "without embeddings" on the card
+    "Command-R7B": (COMMAND_R7B, 8.03, True),
+    "gpt-oss-20b": (GPT_OSS_20B, 20.91, True),  # OpenAI's model card: 20.91B total, 3.61B active
+}
+# Cards that round to whole billions.
+PUBLISHED_WHOLE_BILLIONS = {
+    "DeepSeek-V3": (DEEPSEEK_V3, 671),  # the main model; the card's 685B adds the 14B MTP module
 }
 
 
@@ -92,7 +185,8 @@ def transformers_parameter_count(hf_config: dict) -> int:
     fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "cache_implementation")}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_config["model_type"], **fields))
-    return sum(p.numel() for p in model.parameters())
+    saved = set(model.state_dict())  # saved buffers are weights too (DeepSeek-V3's routing bias)
+    return sum(p.numel() for p in model.parameters()) + sum(b.numel() for n, b in model.named_buffers() if n in saved)
 
 
 @pytest.mark.parametrize("name", PUBLISHED)
@@ -105,6 +199,43 @@ def test_published_config_builds_without_allocating_and_counts_match(name):
     assert count == transformers_parameter_count(hf_config)
 
 
+@pytest.mark.parametrize("name", PUBLISHED_ROUNDED)
+def test_published_config_builds_with_the_rounded_published_count(name):
+    hf_config, billions, with_embeddings = PUBLISHED_ROUNDED[name]
+    model = shapes_of(hf_config)
+    count = parameter_count(model)
+    assert count == transformers_parameter_count(hf_config)
+    if not with_embeddings:
+        head = 0 if model.lm_head is None else parameter_count(model.lm_head)
+        count -= parameter_count(model.model.embed_tokens) + head
+    assert round(count / 1e9, 2) == billions
+
+
+@pytest.mark.parametrize("name", PUBLISHED_WHOLE_BILLIONS)
+def test_published_config_builds_with_the_whole_billions_published(name):
+    hf_config, billions = PUBLISHED_WHOLE_BILLIONS[name]
+    count = parameter_count(shapes_of(hf_config))
+    assert count == transformers_parameter_count(hf_config)
+    assert round(count / 1e9) == billions
+
+
+def test_deepseek_v3_active_parameters_per_token():
+    model = shapes_of(DEEPSEEK_V3)
+    assert model.config.cache_layout() == (1, 576, 0)  # the compressed cache: latent and rotary key
+    experts = model.model.layers.mlp.sparse.experts
+    expert_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(experts))
+    active = parameter_count(model) - expert_params * (256 - 8) // 256
+    assert 37e9 <= active < 38e9  # "37B activated" on the card
+
+
+def test_every_registered_architecture_has_a_published_config_here():
+    from eqx_models import supported_model_types
+
+    published = [*PUBLISHED.values(), *PUBLISHED_ROUNDED.values(), *PUBLISHED_WHOLE_BILLIONS.values()]
+    covered = {config["model_type"] for config, *_ in published}
+    assert set(supported_model_types()) <= covered, sorted(set(supported_model_types()) - covered)
+
+
 def test_qwen3_30b_a3b_active_parameters_per_token():
     model = shapes_of(QWEN3_30B_A3B)
     experts = model.model.layers.mlp.experts
@@ -112,3 +243,13 @@ def test_qwen3_30b_a3b_active_parameters_per_token():
     active = parameter_count(model) - expert_params * (128 - 8) // 128
     # "30.5B total, 3.3B activated" on the model card (3.35B: the card truncates).
     assert 3.3e9 <= active < 3.4e9
+
+
+def test_gpt_oss_20b_active_parameters_per_token():
+    model = shapes_of(GPT_OSS_20B)
+    experts = model.model.layers.mlp.experts
+    expert_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(experts))
+    embeddings = parameter_count(model.model.embed_tokens)
+    # The card counts the unembedding, not the embedding table, as active.
+    active = parameter_count(model) - embeddings - expert_params * (32 - 4) // 32
+    assert round(active / 1e9, 2) == 3.61

@@ -6,13 +6,13 @@ import os
 import subprocess
 import sys
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import REPO
-from eqx_models import from_pretrained
+from eqx_models import CausalLM, from_pretrained, supported_model_types
 from eqx_models.cli import main
 from eqx_models.models import architecture_for
 from eqx_models.sharding import (
@@ -23,10 +23,12 @@ from eqx_models.sharding import (
     parse_mesh_shape,
     partition_spec,
     placement_for,
+    logical_axes,
     resolve_rules,
-    weight_axes,
 )
+from conftest import REPO, tiny_config
 from test_published_configs import QWEN3_30B_A3B
+from zoo import tiny_overrides
 
 
 def test_sharded_runs_on_eight_cpu_devices():
@@ -63,15 +65,51 @@ def test_heads_are_never_cut_in_half():
     assert placement.spec(("layers", "mlp", "embed"), (48, 6144, 2048)) == P(None, "tensor")
 
 
-def test_every_parameter_of_every_architecture_has_logical_axes():
-    assert weight_axes("model.layers.mlp.experts.down_proj.weight", 4) == ("layers", "experts", "embed", "mlp")
-    assert weight_axes("model.layers.mlp.sparse.gate.weight", 3) == ("layers", "router", "embed")
-    assert weight_axes("model.layers.pre_feedforward_layernorm.weight", 2) == ("layers", "embed")
-    assert weight_axes("lm_head.weight", 2) == ("vocab", "embed")
-    with pytest.raises(ValueError, match="No logical axes known for parameter model.layers.self_attn.sinks"):
-        weight_axes("model.layers.self_attn.sinks", 2)
-    with pytest.raises(ValueError, match="has 3 axes but its logical axes are"):
-        weight_axes("model.norm.weight", 3)
+def is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_array_of_every_architecture_has_logical_axes(model_type):
+    """Walks the parameters and the cache of each registered architecture (its tiny
+    config): every array has axes, one name per dimension, declared by its module."""
+    hf = tiny_config(model_type, **tiny_overrides(model_type)).to_diff_dict()
+    config = architecture_for(hf).config_from_hf(hf)
+    model = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    cache = jax.eval_shape(lambda: CausalLM(config, key=jax.random.key(0)).init_cache(2, 16))
+    for tree in (model, cache):
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        axes = jax.tree.leaves(logical_axes(tree), is_leaf=is_axes)
+        assert len(axes) == len(leaves) > 0
+        for (path, leaf), names in zip(leaves, axes):
+            assert is_axes(names) and len(names) == len(leaf.shape), (path, names, leaf.shape)
+    stacked = jax.tree.leaves(logical_axes(model).model.layers, is_leaf=is_axes)
+    assert all(names[0] == "layers" for names in stacked)
+
+
+def test_axes_come_from_the_modules_that_hold_the_arrays():
+    hf = tiny_config("qwen3_moe", **tiny_overrides("qwen3_moe")).to_diff_dict()
+    model = eqx.filter_eval_shape(CausalLM, architecture_for(hf).config_from_hf(hf), key=jax.random.key(0))
+    axes = logical_axes(model)
+    assert axes.model.layers.mlp.sparse.experts.down_proj.weight == ("layers", "experts", "embed", "mlp")
+    assert axes.model.layers.mlp.sparse.gate.weight == ("layers", "router", "embed")
+    assert axes.model.layers.self_attn.q_norm.weight == ("layers", "head_dim")
+    assert axes.lm_head.weight == ("vocab", "embed")
+
+    class Sinks(eqx.Module):  # an array its module declares nothing for
+        sinks: jax.Array
+
+    with pytest.raises(ValueError, match="No logical axes declared for the array at sinks"):
+        logical_axes(Sinks(jnp.zeros(4)))
+
+    class Wrong(eqx.Module):
+        weight: jax.Array
+
+        def array_axes(self):
+            return {"weight": ("embed",)}
+
+    with pytest.raises(ValueError, match=r"weight has shape \(2, 3\) but its logical axes are \('embed',\)"):
+        logical_axes(Wrong(jnp.zeros((2, 3))))
 
 
 def test_bad_meshes_and_rules_are_refused(tmp_path):

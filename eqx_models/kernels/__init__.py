@@ -188,48 +188,63 @@ def stacked_matvec(
     return stacked_matvecs(x, (stack,), layer)[0]
 
 
-def _attention_reference(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, scale):
+def _no_sinks(query: Array) -> Array:
+    return jnp.full(query.shape[1:3], -jnp.inf, jnp.float32)
+
+
+def _attention_reference(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, scale):
+    value_dim = new_value.shape[-1]
     keys = jax.lax.dynamic_index_in_dim(key_stack, layer, keepdims=False).astype(jnp.float32)
-    values = jax.lax.dynamic_index_in_dim(value_stack, layer, keepdims=False).astype(jnp.float32)
+    values = jax.lax.dynamic_index_in_dim(value_stack, layer, keepdims=False)[..., :value_dim].astype(jnp.float32)
     keys = jnp.concatenate([keys, new_key[:, :, None]], axis=2)
     values = jnp.concatenate([values, new_value[:, :, None]], axis=2)
     allowed = jnp.concatenate([valid, self_valid[:, None]], axis=1)
     allowed = allowed | ~jnp.any(allowed, axis=1, keepdims=True)  # nothing allowed: average all
     scores = scale * jnp.einsum("bkgd,bksd->bkgs", query, keys)
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
-    return jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(scores, axis=-1), values)
+    # The sink joins each row's softmax as one more logit, without a value.
+    sink_column = jnp.broadcast_to(sinks[None, :, :, None], (*scores.shape[:3], 1))
+    weights = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bkgs,bksd->bkgd", weights, values)
 
 
-def _attention_kernel(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, scale):
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(query.shape, jnp.float32), vmap_method="sequential")
+def _attention_kernel(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, scale):
+    out = jax.ShapeDtypeStruct((*query.shape[:3], new_value.shape[-1]), jnp.float32)
+    call = jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")
     return call(
         query, key_stack, value_stack, layer.astype(jnp.int32).reshape(()), valid, self_valid, new_key, new_value,
-        scale=np.float32(scale),
+        sinks, scale=np.float32(scale),
     )
 
 
 def decode_attention(
     query: Float[Array, "batch kv_heads groups head_dim"],
     key_stack: Float[Array, "layers batch kv_heads kv_seq head_dim"],
-    value_stack: Float[Array, "layers batch kv_heads kv_seq head_dim"],
+    value_stack: Float[Array, "layers batch kv_heads kv_seq value_width"],
     layer: Int[Array, ""],
     valid: Bool[Array, "batch kv_seq"],
     self_valid: Bool[Array, " batch"],
     new_key: Float[Array, "batch kv_heads head_dim"],
-    new_value: Float[Array, "batch kv_heads head_dim"],
+    new_value: Float[Array, "batch kv_heads value_dim"],
     scale: float,
-) -> Float[Array, "batch kv_heads groups head_dim"]:
+    sinks: Float[Array, "kv_heads groups"] | None = None,
+) -> Float[Array, "batch kv_heads groups value_dim"]:
     """Softmax attention of one new token per row, float32.
 
     Each row's `groups` query heads per key/value head attend to the slots of
     `key_stack[layer]`/`value_stack[layer]` where `valid`, and to the token's own
     `new_key`/`new_value` where `self_valid`; a row with nothing allowed averages
-    every slot (its output is padding). Inference only: no derivative is defined.
+    every slot (its output is padding). A value is the first `value_dim` channels
+    of its row of `value_stack` (`value_stack` may be `key_stack` itself: values
+    that are a prefix of the keys, as in Multi-head Latent Attention). `sinks`
+    are per-head logits that join the softmax without a value. Inference only: no
+    derivative is defined.
     """
+    sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     return _dispatch(
         functools.partial(_attention_kernel, scale=scale),
         functools.partial(_attention_reference, scale=scale),
-        query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value,
+        query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks,
     )
 
 
@@ -246,44 +261,45 @@ def gather_pages(
 
 
 def _paged_attention_reference(
-    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, scale
+    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, scale
 ):
     keys = gather_pages(key_pool, layer, block_tables)[None]
     values = gather_pages(value_pool, layer, block_tables)[None]
-    return _attention_reference(query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, scale)
+    return _attention_reference(query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, sinks, scale)
 
 
 def _paged_attention_kernel(
-    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, scale
+    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, scale
 ):
-    call = jax.ffi.ffi_call(
-        PAGED_ATTENTION_TARGET, jax.ShapeDtypeStruct(query.shape, jnp.float32), vmap_method="sequential"
-    )
+    out = jax.ShapeDtypeStruct((*query.shape[:3], new_value.shape[-1]), jnp.float32)
+    call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, out, vmap_method="sequential")
     return call(
         query, key_pool, value_pool, layer.astype(jnp.int32).reshape(()), block_tables.astype(jnp.int32), valid,
-        self_valid, new_key, new_value, scale=np.float32(scale),
+        self_valid, new_key, new_value, sinks, scale=np.float32(scale),
     )
 
 
 def paged_decode_attention(
     query: Float[Array, "batch kv_heads groups head_dim"],
     key_pool: Float[Array, "layers pages kv_heads page_size head_dim"],
-    value_pool: Float[Array, "layers pages kv_heads page_size head_dim"],
+    value_pool: Float[Array, "layers pages kv_heads page_size value_width"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "batch pages_per_row"],
     valid: Bool[Array, "batch kv_seq"],
     self_valid: Bool[Array, " batch"],
     new_key: Float[Array, "batch kv_heads head_dim"],
-    new_value: Float[Array, "batch kv_heads head_dim"],
+    new_value: Float[Array, "batch kv_heads value_dim"],
     scale: float,
-) -> Float[Array, "batch kv_heads groups head_dim"]:
+    sinks: Float[Array, "kv_heads groups"] | None = None,
+) -> Float[Array, "batch kv_heads groups value_dim"]:
     """`decode_attention` over a paged pool: row `b`'s slot `s` (of
     `kv_seq = pages_per_row * page_size`) is in page `block_tables[b, s // page_size]`.
     The pages are read in place; every table entry must name a page of the pool."""
+    sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     return _dispatch(
         functools.partial(_paged_attention_kernel, scale=scale),
         functools.partial(_paged_attention_reference, scale=scale),
-        query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value,
+        query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks,
     )
 
 

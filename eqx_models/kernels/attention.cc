@@ -9,6 +9,12 @@
 // paged `[layers, pages, kv_heads, page_size, head_dim]` where row b's slot s
 // lives in page `block_tables[b, s / page_size]`. Softmax and accumulation are
 // float32; the cache may be float32 or bfloat16.
+//
+// A value is the first `Dv` channels of its row in the value operand, whose rows
+// may be wider: with the key stack passed as the values, the values are a prefix
+// of the keys (Multi-head Latent Attention caches one latent per token and
+// attends with it as both). Each query head may have a sink: a logit in its
+// softmax without a value (-inf for none).
 
 #include <algorithm>
 #include <cmath>
@@ -47,17 +53,19 @@ struct Problem {
   const bool* valid;   // [B, S]
   const bool* self_valid;  // [B]
   const float* k_new;  // [B, H, D]
-  const float* v_new;  // [B, H, D]
-  float* out;          // [B, H, G, D]
+  const float* v_new;  // [B, H, Dv]
+  const float* sinks;  // [H, G]
+  float* out;          // [B, H, G, Dv]
   int64_t B, H, G, S, D, P;
+  int64_t Dv, value_stride;  // value width, and the width of the value operand's rows
   float scale;
   bool bf16;
 
-  // Element offset of row b, head h, slot s from the start of this layer.
-  int64_t slot_offset(int64_t b, int64_t h, int64_t s) const {
-    if (block_tables == nullptr) return ((b * H + h) * S + s) * D;
+  // Row number (in units of one slot's row) of row b, head h, slot s within this layer.
+  int64_t slot_row(int64_t b, int64_t h, int64_t s) const {
+    if (block_tables == nullptr) return (b * H + h) * S + s;
     const int64_t page = block_tables[b * (S / P) + s / P];
-    return ((page * H + h) * P + s % P) * D;
+    return (page * H + h) * P + s % P;
   }
 };
 
@@ -65,14 +73,15 @@ struct Problem {
 // Slots are visited in order, so keys and values stream from memory once each.
 template <typename T>
 __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
-  const int64_t S = p.S, D = p.D, G = p.G;
+  const int64_t S = p.S, D = p.D, G = p.G, Dv = p.Dv;
   const T* keys = static_cast<const T*>(p.keys);
   const T* values = static_cast<const T*>(p.values);
   const bool* valid = p.valid + b * S;
   const float* q = p.q + (b * p.H + h) * G * D;
   const float* k_new = p.k_new + (b * p.H + h) * D;
-  const float* v_new = p.v_new + (b * p.H + h) * D;
-  float* out = p.out + (b * p.H + h) * G * D;
+  const float* v_new = p.v_new + (b * p.H + h) * Dv;
+  const float* sinks = p.sinks + h * G;
+  float* out = p.out + (b * p.H + h) * G * Dv;
 
   // A row with nothing to attend to (a padding query) averages every slot, as the
   // XLA path does: its output is ignored, but it must stay finite.
@@ -88,30 +97,32 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (!allowed) continue;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      const float score = p.scale * (s < S ? dot(qg, keys + p.slot_offset(b, h, s), D) : dot(qg, k_new, D));
+      const float score = p.scale * (s < S ? dot(qg, keys + p.slot_row(b, h, s) * D, D) : dot(qg, k_new, D));
       scores[g * (S + 1) + s] = score;
       row_max[g] = std::max(row_max[g], score);
     }
   }
   std::vector<float> total(G, 0.0f);
   for (int64_t g = 0; g < G; ++g) {
+    if (sinks[g] > row_max[g]) row_max[g] = sinks[g];
+    total[g] = std::exp(sinks[g] - row_max[g]);  // 0 without a sink
     float* sg = scores.data() + g * (S + 1);
     for (int64_t s = 0; s <= S; ++s) {
       sg[s] = std::exp(sg[s] - row_max[g]);
       total[g] += sg[s];
     }
   }
-  std::fill(out, out + G * D, 0.0f);
+  std::fill(out, out + G * Dv, 0.0f);
   for (int64_t s = 0; s <= S; ++s) {
     for (int64_t g = 0; g < G; ++g) {
       const float weight = scores[g * (S + 1) + s] / total[g];
       if (weight == 0.0f) continue;
-      float* og = out + g * D;
+      float* og = out + g * Dv;
       if (s < S) {
-        const T* v = values + p.slot_offset(b, h, s);
-        for (int64_t d = 0; d < D; ++d) og[d] += weight * to_float(v[d]);
+        const T* v = values + p.slot_row(b, h, s) * p.value_stride;
+        for (int64_t d = 0; d < Dv; ++d) og[d] += weight * to_float(v[d]);
       } else {
-        for (int64_t d = 0; d < D; ++d) og[d] += weight * v_new[d];
+        for (int64_t d = 0; d < Dv; ++d) og[d] += weight * v_new[d];
       }
     }
   }
@@ -140,12 +151,15 @@ void run(const Problem& problem) {
   });
 }
 
-// Checks what both layouts share; returns the layer's byte offset in `layer_offset`.
+// Checks what both layouts share; returns the layer's byte offsets into the key
+// and value operands.
 ffi::Error check(const char* name, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& keys, ffi::AnyBuffer& values,
-                 ffi::Buffer<ffi::S32>& layer, int64_t B, int64_t* layer_offset) {
+                 ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::F32>& v_new, ffi::Buffer<ffi::F32>& sinks, int64_t B,
+                 int64_t* key_offset, int64_t* value_offset) {
   auto q_dims = q.dimensions();
   auto c_dims = keys.dimensions();
-  if (q_dims.size() != 4 || c_dims.size() != 5)
+  auto v_dims = values.dimensions();
+  if (q_dims.size() != 4 || c_dims.size() != 5 || v_dims.size() != 5)
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": want q [batch, kv_heads, groups, head_dim] and 5-d caches");
   const bool bf16 = keys.element_type() == ffi::DataType::BF16;
@@ -153,27 +167,38 @@ ffi::Error check(const char* name, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& key
     return ffi::Error::InvalidArgument(std::string(name) + ": caches must both be float32 or bfloat16");
   if (q_dims[0] != B || q_dims[1] != c_dims[2] || q_dims[3] != c_dims[4])
     return ffi::Error::InvalidArgument(std::string(name) + ": query and cache shapes disagree");
+  for (int i = 0; i < 4; ++i)
+    if (v_dims[i] != c_dims[i]) return ffi::Error::InvalidArgument(std::string(name) + ": key and value caches disagree");
+  auto n_dims = v_new.dimensions();
+  if (n_dims.size() != 3 || n_dims[2] > v_dims[4])
+    return ffi::Error::InvalidArgument(std::string(name) + ": the new value is wider than the value cache's rows");
+  if (sinks.dimensions().size() != 2 || sinks.dimensions()[0] != q_dims[1] || sinks.dimensions()[1] != q_dims[2])
+    return ffi::Error::InvalidArgument(std::string(name) + ": want sinks [kv_heads, groups]");
   const int64_t index = layer.typed_data()[0];
   if (index < 0 || index >= c_dims[0])
     return ffi::Error::InvalidArgument(std::string(name) + ": layer index out of range");
-  *layer_offset = index * (c_dims[1] * c_dims[2] * c_dims[3] * c_dims[4]) * (bf16 ? 2 : 4);
+  const int64_t bytes = bf16 ? 2 : 4;
+  *key_offset = index * (c_dims[1] * c_dims[2] * c_dims[3] * c_dims[4]) * bytes;
+  *value_offset = index * (v_dims[1] * v_dims[2] * v_dims[3] * v_dims[4]) * bytes;
   return ffi::Error::Success();
 }
 
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
-                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, float scale,
-                           ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> sinks,
+                           float scale, ffi::ResultBuffer<ffi::F32> out) {
   auto c_dims = keys.dimensions();
-  int64_t offset = 0;
+  int64_t key_offset = 0, value_offset = 0;
   const int64_t B = c_dims.size() == 5 ? c_dims[1] : 0;
-  if (auto error = check("decode_attention", q, keys, values, layer, B, &offset); error.failure()) return error;
+  if (auto error = check("decode_attention", q, keys, values, layer, v_new, sinks, B, &key_offset, &value_offset);
+      error.failure())
+    return error;
   const int64_t S = c_dims[3];
-  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + offset,
-              static_cast<const char*>(values.untyped_data()) + offset, nullptr, valid.typed_data(),
-              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), out->typed_data(), B,
-              c_dims[2], q.dimensions()[2], S, c_dims[4], S, scale,
+  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
+              static_cast<const char*>(values.untyped_data()) + value_offset, nullptr, valid.typed_data(),
+              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), out->typed_data(),
+              B, c_dims[2], q.dimensions()[2], S, c_dims[4], S, v_new.dimensions()[2], values.dimensions()[4], scale,
               keys.element_type() == ffi::DataType::BF16});
   return ffi::Error::Success();
 }
@@ -181,15 +206,17 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
 ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
-                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, float scale,
-                                ffi::ResultBuffer<ffi::F32> out) {
+                                ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> sinks,
+                                float scale, ffi::ResultBuffer<ffi::F32> out) {
   auto c_dims = keys.dimensions();
   auto t_dims = block_tables.dimensions();
   if (t_dims.size() != 2)
     return ffi::Error::InvalidArgument("paged_decode_attention: want block_tables [batch, pages_per_row]");
   const int64_t B = t_dims[0];
-  int64_t offset = 0;
-  if (auto error = check("paged_decode_attention", q, keys, values, layer, B, &offset); error.failure())
+  int64_t key_offset = 0, value_offset = 0;
+  if (auto error =
+          check("paged_decode_attention", q, keys, values, layer, v_new, sinks, B, &key_offset, &value_offset);
+      error.failure())
     return error;
   const int64_t pages = c_dims[1], P = c_dims[3], S = t_dims[1] * P;
   const int32_t* table = block_tables.typed_data();
@@ -198,10 +225,10 @@ ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ff
       return ffi::Error::InvalidArgument("paged_decode_attention: a block table entry is not a page of the pool");
   if (valid.dimensions().size() != 2 || valid.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("paged_decode_attention: valid must be [batch, pages_per_row * page_size]");
-  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + offset,
-              static_cast<const char*>(values.untyped_data()) + offset, table, valid.typed_data(),
-              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), out->typed_data(), B,
-              c_dims[2], q.dimensions()[2], S, c_dims[4], P, scale,
+  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
+              static_cast<const char*>(values.untyped_data()) + value_offset, table, valid.typed_data(),
+              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), out->typed_data(),
+              B, c_dims[2], q.dimensions()[2], S, c_dims[4], P, v_new.dimensions()[2], values.dimensions()[4], scale,
               keys.element_type() == ffi::DataType::BF16});
   return ffi::Error::Success();
 }
@@ -218,6 +245,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -230,6 +258,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxPagedDecodeAttention, PagedDecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")

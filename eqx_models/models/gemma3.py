@@ -13,8 +13,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from . import Architecture
+from .gemma2 import Gemma2Config, SandwichLayer, embed_scale, gemma_norm, refuse_bidirectional
 
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0
 # Read here (or only meaningful for other attention backends / training).
@@ -23,6 +24,22 @@ GEMMA_KEYS = frozenset({
     "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention", "cache_implementation",
     "_sliding_window_pattern",  # what transformers 5 writes beside layer_types
 })
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemma3Config(Gemma2Config):
+    """`Gemma2Config` (without soft caps) plus the sliding layers' rotary base.
+
+    Attributes:
+        local_rope_theta: the rotary base of the sliding layers (no scaling).
+    """
+
+    local_rope_theta: float = LOCAL_THETA
+
+    def attention_kinds(self) -> tuple[AttentionKind, ...]:
+        full = AttentionKind(self.rope_theta, self.rope_scaling, None)
+        local = AttentionKind(self.local_rope_theta, None, self.sliding_window)
+        return tuple(local if sliding else full for sliding in self.sliding_layers)
 
 
 def _rope(hf: Mapping[str, Any]) -> tuple[dict, float]:
@@ -43,8 +60,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
         if hf.get(key) is not None:
             raise ConfigError(f"Gemma 3 with {key}={hf[key]} is not supported (the released models set it to null).")
-    if hf.get("use_bidirectional_attention"):
-        raise ConfigError("Gemma 3 with use_bidirectional_attention=true is an encoder; this library runs decoders.")
+    refuse_bidirectional(hf, "Gemma 3")
     full_rope, local_theta = _rope(hf)
     layers = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
@@ -53,17 +69,16 @@ def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
     ]
     flat = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
     flat.update(rope_parameters=full_rope, hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"))
-    config = decoder_config_from_hf(flat, use_qk_norm=True, extra_ignored=GEMMA_KEYS)
-    return dataclasses.replace(
-        config,
+    return decoder_config_from_hf(
+        flat,
+        use_qk_norm=True,
+        extra_ignored=GEMMA_KEYS,
+        config_class=Gemma3Config,
         head_dim=hf.get("head_dim") or 256,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
         sliding_window=int(hf.get("sliding_window") or 4096),
         layer_types=tuple(layer_types),
         local_rope_theta=local_theta,
-        norm_unit_offset=True,
-        sandwich_norms=True,
-        embed_scale=hf["hidden_size"] ** 0.5,
         query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
     )
 
@@ -86,4 +101,9 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return hf
 
 
-ARCHITECTURE = Architecture("gemma3_text", "Gemma3ForCausalLM", config_from_hf, config_to_hf)
+ARCHITECTURE = Architecture(
+    "gemma3_text", "Gemma3ForCausalLM", config_from_hf, config_to_hf,
+    title="Gemma 3",
+    summary="local and global layers, `(1 + w)` norms, sandwich norms, scaled embeddings, GELU",
+    layer=SandwichLayer, norm=gemma_norm, embed_scale=embed_scale,
+)

@@ -17,4 +17,8 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return hf
 
 
-ARCHITECTURE = Architecture("llama", "LlamaForCausalLM", config_from_hf, config_to_hf)
+ARCHITECTURE = Architecture(
+    "llama", "LlamaForCausalLM", config_from_hf, config_to_hf,
+    title="Llama",
+    summary="the reference",
+)

@@ -28,4 +28,8 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return hf
 
 
-ARCHITECTURE = Architecture("mistral", "MistralForCausalLM", config_from_hf, config_to_hf)
+ARCHITECTURE = Architecture(
+    "mistral", "MistralForCausalLM", config_from_hf, config_to_hf,
+    title="Mistral",
+    summary="sliding-window attention; ring-buffer cache",
+)

@@ -48,4 +48,9 @@ def tensor_name(name: str) -> str:
     return name
 
 
-ARCHITECTURE = Architecture("mixtral", "MixtralForCausalLM", config_from_hf, config_to_hf, tensor_name)
+ARCHITECTURE = Architecture(
+    "mixtral", "MixtralForCausalLM", config_from_hf, config_to_hf,
+    title="Mixtral",
+    summary="Mistral attention; 8-expert top-2 MLPs under Mixtral's tensor names",
+    tensor_name=tensor_name,
+)

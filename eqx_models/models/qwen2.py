@@ -22,4 +22,8 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return hf
 
 
-ARCHITECTURE = Architecture("qwen2", "Qwen2ForCausalLM", config_from_hf, config_to_hf)
+ARCHITECTURE = Architecture(
+    "qwen2", "Qwen2ForCausalLM", config_from_hf, config_to_hf,
+    title="Qwen2 / Qwen2.5",
+    summary="biased q/k/v, unbiased output projection",
+)

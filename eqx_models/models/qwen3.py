@@ -18,4 +18,8 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return hf
 
 
-ARCHITECTURE = Architecture("qwen3", "Qwen3ForCausalLM", config_from_hf, config_to_hf)
+ARCHITECTURE = Architecture(
+    "qwen3", "Qwen3ForCausalLM", config_from_hf, config_to_hf,
+    title="Qwen3",
+    summary="RMSNorm on queries and keys; `head_dim` free",
+)

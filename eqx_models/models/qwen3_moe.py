@@ -47,4 +47,8 @@ def config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     return hf
 
 
-ARCHITECTURE = Architecture("qwen3_moe", "Qwen3MoeForCausalLM", config_from_hf, config_to_hf)
+ARCHITECTURE = Architecture(
+    "qwen3_moe", "Qwen3MoeForCausalLM", config_from_hf, config_to_hf,
+    title="Qwen3-MoE",
+    summary="Qwen3 attention; top-k mixture-of-experts MLPs, dense layers possible",
+)

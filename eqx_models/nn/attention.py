@@ -1,10 +1,13 @@
 """Multi-head attention with grouped key/value heads and an optional KV cache."""
 
+import abc
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, PRNGKeyArray
+from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ..config import DecoderConfig
 from ..kernels import kernels_available
 from .linear import Linear, project_together
 from .norm import RMSNorm
@@ -20,17 +23,22 @@ QUERY_CHUNK = 512
 def masked_softmax_attention(
     query: Float[Array, "batch kv_heads groups seq head_dim"],
     keys: list[Float[Array, "batch kv_heads _ head_dim"]],
-    values: list[Float[Array, "batch kv_heads _ head_dim"]],
+    values: list[Float[Array, "batch kv_heads _ value_dim"]],
     allowed: list[Bool[Array, "batch seq _"]],
     scale: float | None = None,
-) -> Float[Array, "batch kv_heads groups seq head_dim"]:
+    softcap: float | None = None,
+    sinks: Float[Array, "kv_heads groups"] | None = None,
+) -> Float[Array, "batch kv_heads groups seq value_dim"]:
     """Softmax attention over several key/value blocks as if they were concatenated.
 
     Each block comes with its own `allowed` mask, so the cached keys and the new keys
     of a step never need to be copied into one buffer first. Scores and the softmax
     are float32 whatever the activation dtype. The last block must be the new
     tokens' own (causal) block: long prompts are split by query along it. Scores
-    are scaled by `scale` (default `head_dim ** -0.5`).
+    are scaled by `scale` (default `head_dim ** -0.5`) and, with `softcap`, squashed
+    to `softcap * tanh(score / softcap)` before the mask. `sinks` are per-head
+    logits that join every row's softmax without a value (attention sinks, gpt-oss):
+    they take a share of the weight and contribute nothing.
     """
     seq = query.shape[3]
     if seq > 2 * QUERY_CHUNK:
@@ -45,6 +53,8 @@ def masked_softmax_attention(
                     values[:-1] + [values[-1][:, :, :stop]],
                     [a[:, start:stop] for a in allowed[:-1]] + [allowed[-1][:, start:stop, :stop]],
                     scale,
+                    softcap,
+                    sinks,
                 )
             )
         return jnp.concatenate(outputs, axis=3)
@@ -52,29 +62,190 @@ def masked_softmax_attention(
     scores = [
         jnp.einsum("bkgtd,bksd->bkgts", query, k, preferred_element_type=jnp.float32) * scale for k in keys
     ]
+    if softcap is not None:
+        scores = [jnp.tanh(s / softcap) * softcap for s in scores]
     # A large finite value rather than -inf: a fully masked row (a padding query)
     # then gets uniform weights instead of NaN, and its output is ignored anyway.
     lowest = jnp.finfo(jnp.float32).min
     scores = [jnp.where(m[:, None, None], s, lowest) for s, m in zip(scores, allowed)]
     row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)[None, :, :, None, None]
+        row_max = jnp.maximum(row_max, sinks)
     weights = [jnp.exp(s - row_max) for s in scores]
     total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - row_max)
     return sum(
         jnp.einsum("bkgts,bksd->bkgtd", (w / total).astype(v.dtype), v)
         for w, v in zip(weights, values)
     )
 
 
-def use_decode_kernel(seq: int, cached) -> bool:
+class LayerInputs(eqx.Module):
+    """What the decoder hands every layer besides the hidden states.
+
+    The rotary tables and masks are those of the layer's kind (see
+    `DecoderConfig.attention_kinds`): a sliding layer's masks stop at its window,
+    a layer without rotary positions gets `cos = 1, sin = 0`.
+
+    Attributes:
+        cos, sin: rotary tables `[batch, seq, rotary_dim]` for the new tokens.
+        new_allowed: `[batch, seq, seq]`, which new tokens each new token may see.
+        cached_allowed: `[batch, seq, kv_seq]`, which cache slots it may see (None
+            without a cache).
+        attention_mask: `[batch, seq]`, 1 for real tokens, 0 for padding.
+    """
+
+    cos: Float[Array, "batch seq rotary_dim"]
+    sin: Float[Array, "batch seq rotary_dim"]
+    new_allowed: Bool[Array, "batch seq seq"]
+    cached_allowed: Bool[Array, "batch seq kv_seq"] | None
+    attention_mask: Int[Array, "batch seq"]
+
+
+def use_decode_kernel(seq: int, cached, softcap: float | None = None) -> bool:
     """Whether attention goes through the cache's decode kernel (`attend_token`)."""
-    return seq == 1 and cached is not None and cached.dtype in (jnp.float32, jnp.bfloat16) and kernels_available()
+    return (
+        seq == 1
+        and cached is not None
+        and softcap is None
+        and cached.dtype in (jnp.float32, jnp.bfloat16)
+        and kernels_available()
+    )
 
 
-class Attention(eqx.Module):
+def attend(
+    q: Float[Array, "batch heads seq head_dim"],
+    k: Float[Array, "batch kv_heads seq head_dim"],
+    v: Float[Array, "batch kv_heads seq value_dim"],
+    inputs: LayerInputs,
+    cached=None,
+    *,
+    scale: float,
+    softcap: float | None = None,
+    sinks: Float[Array, " heads"] | None = None,
+) -> Float[Array, "batch seq heads value_dim"]:
+    """Softmax attention of the new tokens' queries to the cache and to each other.
+
+    `cached` is the layer's view of a cache (`KVCache.layer(i)`, or the same from
+    another cache kind): `materialize()` gives its `[batch, kv_heads, kv_seq,
+    head_dim]` keys and values, `attend_token` the decode kernel that reads them in
+    place. `k` and `v` are this step's own (already rotated). Scores are scaled by
+    `scale` and, with `softcap`, squashed to `softcap * tanh(score / softcap)`;
+    `sinks` (one logit per query head) join each softmax (see
+    `masked_softmax_attention`).
+    """
+    batch, num_heads, seq, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    groups = num_heads // num_kv_heads
+    if use_decode_kernel(seq, cached, softcap):
+        # One token per row against the cache read in place. The new key/value
+        # are rounded to the cache dtype first, as the cache will hold them.
+        as_cached = lambda a: a[:, :, 0].astype(cached.dtype).astype(jnp.float32)
+        out = cached.attend_token(
+            q.reshape(batch, num_kv_heads, groups, head_dim).astype(jnp.float32),
+            inputs.cached_allowed[:, 0],
+            inputs.new_allowed[:, 0, 0],
+            as_cached(k),
+            as_cached(v),
+            scale,
+            None if sinks is None else sinks.reshape(num_kv_heads, groups),
+        ).astype(q.dtype)[:, :, :, None]
+    else:
+        q = q.reshape(batch, num_kv_heads, groups, seq, head_dim)
+        keys, values, allowed = [k], [v], [inputs.new_allowed]
+        if cached is not None:
+            cached_keys, cached_values = cached.materialize()
+            if cached_values.shape[-1] < v.shape[-1]:  # no value rows: the keys' first channels
+                cached_values = cached_keys[..., : v.shape[-1]]
+            keys.insert(0, cached_keys)
+            values.insert(0, cached_values)
+            allowed.insert(0, inputs.cached_allowed)
+        head_sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)
+        out = masked_softmax_attention(q, keys, values, allowed, scale, softcap, head_sinks)
+    return out.reshape(batch, num_heads, seq, -1).transpose(0, 2, 1, 3)
+
+
+class RotaryAttention(eqx.Module):
+    """What every rotary self-attention shares: rotate the queries and keys, attend
+    (to the cache and the new tokens), project out with `o_proj`.
+
+    Subclasses hold the projections and say how queries, keys and values come from
+    the hidden states (`project`): separate `q_proj` / `k_proj` / `v_proj`
+    (`Attention`), one fused `qkv_proj` (Phi-3), norms over the whole projection
+    (OLMo 2).
+    """
+
+    o_proj: eqx.AbstractVar[Linear]
+    num_heads: eqx.AbstractVar[int]
+    num_kv_heads: eqx.AbstractVar[int]
+    head_dim: eqx.AbstractVar[int]
+    scale: eqx.AbstractVar[float]
+    softcap: eqx.AbstractVar[float | None]
+
+    @abc.abstractmethod
+    def project(
+        self, x: Float[Array, "batch seq hidden"]
+    ) -> tuple[
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+    ]:
+        """Queries, keys and values per head, before the rotation."""
+
+    def rotate(
+        self,
+        x: Float[Array, "batch heads seq head_dim"],
+        cos: Float[Array, "batch seq rotary_dim"],
+        sin: Float[Array, "batch seq rotary_dim"],
+    ) -> Float[Array, "batch heads seq head_dim"]:
+        """The rotary positions applied to queries or keys (split-half pairs)."""
+        return apply_rotary(x, cos, sin)
+
+    def attend(
+        self,
+        q: Float[Array, "batch heads seq head_dim"],
+        k: Float[Array, "batch kv_heads seq head_dim"],
+        v: Float[Array, "batch kv_heads seq head_dim"],
+        inputs: LayerInputs,
+        cached=None,
+    ) -> Float[Array, "batch seq heads head_dim"]:
+        """The rotated queries attending to the cache and the new keys (`attend`
+        with this module's scale and soft cap)."""
+        return attend(q, k, v, inputs, cached, scale=self.scale, softcap=self.softcap)
+
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        inputs: LayerInputs,
+        cached=None,
+    ) -> tuple[
+        Float[Array, "batch seq hidden"],
+        tuple[Float[Array, "batch kv_heads seq head_dim"], Float[Array, "batch kv_heads seq head_dim"]],
+    ]:
+        """Attends the new tokens to the cached ones and to each other.
+
+        Returns the output and this step's keys/values (already rotated), which the
+        caller writes into the cache.
+        """
+        batch, seq, _ = x.shape
+        q, k, v = self.project(x)
+        q = self.rotate(q.transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
+        k = self.rotate(k.transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
+        v = v.transpose(0, 2, 1, 3)
+        out = self.attend(q, k, v, inputs, cached)
+        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)), (k, v)
+
+
+class Attention(RotaryAttention):
     """Self-attention with rotary positions; MHA, GQA and MQA by head counts.
 
     Attribute names mirror Hugging Face (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
-    and Qwen3's `q_norm` / `k_norm` applied per head before the rotation).
+    and Qwen3's `q_norm` / `k_norm` applied per head before the rotation). An
+    architecture that computes queries, keys and values differently from the same
+    weights (norms over the whole projection) subclasses it and overrides
+    `project`; one with other weights subclasses `RotaryAttention`.
     """
 
     q_proj: Linear
@@ -87,6 +258,7 @@ class Attention(eqx.Module):
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
+    softcap: float | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -97,45 +269,49 @@ class Attention(eqx.Module):
         *,
         use_bias: bool = False,
         output_bias: bool | None = None,
-        qk_norm_eps: float | None = None,
-        norm_unit_offset: bool = False,
-        query_pre_attn_scalar: float | None = None,
+        qk_norms: tuple[eqx.Module, eqx.Module] | None = None,
+        scale: float | None = None,
+        softcap: float | None = None,
         key: PRNGKeyArray,
     ):
+        """`qk_norms` are `q_norm` and `k_norm` (per head, before the rotation);
+        `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` squashes
+        them to `softcap * tanh(score / softcap)` (Gemma 2)."""
         kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, use_bias=use_bias, key=kq)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, use_bias=use_bias, key=kk)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, use_bias=use_bias, key=kv)
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, axes=("heads", "embed"), use_bias=use_bias, key=kq)
+        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, axes=("kv_heads", "embed"), use_bias=use_bias, key=kk)
+        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, axes=("kv_heads", "embed"), use_bias=use_bias, key=kv)
         output_bias = use_bias if output_bias is None else output_bias
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, use_bias=output_bias, key=ko)
-        use_norm = qk_norm_eps is not None
-        self.q_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=norm_unit_offset) if use_norm else None
-        self.k_norm = RMSNorm(head_dim, qk_norm_eps, unit_offset=norm_unit_offset) if use_norm else None
+        self.o_proj = Linear(num_heads * head_dim, hidden_size, axes=("embed", "heads"), use_bias=output_bias, key=ko)
+        self.q_norm, self.k_norm = (None, None) if qk_norms is None else qk_norms
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = (head_dim if query_pre_attn_scalar is None else query_pre_attn_scalar) ** -0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
+        self.softcap = softcap
 
-    def __call__(
-        self,
-        x: Float[Array, "batch seq hidden"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
-        new_allowed: Bool[Array, "batch seq seq"],
-        cached=None,
-        cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
+    @classmethod
+    def from_config(cls, config: DecoderConfig, *, key: PRNGKeyArray, **options) -> "Attention":
+        """The attention `config` describes (heads, biases, QK-norm); `options`
+        replace constructor arguments (`scale=`, `qk_norms=`, ...)."""
+        per_head = lambda: RMSNorm(config.head_dim, config.rms_norm_eps, axis="head_dim")
+        qk_norms = (per_head(), per_head()) if config.use_qk_norm else None
+        arguments = dict(use_bias=config.attention_bias, output_bias=config.o_proj_bias, qk_norms=qk_norms)
+        arguments.update(options)
+        return cls(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            key=key, **arguments,
+        )
+
+    def project(
+        self, x: Float[Array, "batch seq hidden"]
     ) -> tuple[
-        Float[Array, "batch seq hidden"],
-        tuple[Float[Array, "batch kv_heads seq head_dim"], Float[Array, "batch kv_heads seq head_dim"]],
+        Float[Array, "batch seq heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
+        Float[Array, "batch seq kv_heads head_dim"],
     ]:
-        """Attends the new tokens to the cached ones and to each other.
-
-        `cached` is this layer's view of the cache (`KVCache.layer(i)`, or the same
-        from another cache kind): `materialize()` gives `[batch, kv_heads, kv_seq,
-        head_dim]` keys and values, and `attend_token` the decode kernel that reads
-        them in place. Returns the output and this step's keys/values (already
-        rotated), which the caller writes into the cache.
-        """
+        """Queries, keys and values per head, normalised where there are QK norms
+        (before the rotation)."""
         batch, seq, _ = x.shape
         q, k, v = project_together(x, [self.q_proj, self.k_proj, self.v_proj])
         q = q.reshape(batch, seq, self.num_heads, self.head_dim)
@@ -143,30 +319,4 @@ class Attention(eqx.Module):
         v = v.reshape(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(0, 2, 1, 3), cos, sin)
-        k = apply_rotary(k.transpose(0, 2, 1, 3), cos, sin)
-        v = v.transpose(0, 2, 1, 3)
-        groups = self.num_heads // self.num_kv_heads
-        if use_decode_kernel(seq, cached):
-            # One token per row against the cache read in place. The new key/value
-            # are rounded to the cache dtype first, as the cache will hold them.
-            as_cached = lambda a: a[:, :, 0].astype(cached.dtype).astype(jnp.float32)
-            out = cached.attend_token(
-                q.reshape(batch, self.num_kv_heads, groups, self.head_dim).astype(jnp.float32),
-                cached_allowed[:, 0],
-                new_allowed[:, 0, 0],
-                as_cached(k),
-                as_cached(v),
-                self.scale,
-            ).astype(x.dtype)
-        else:
-            q = q.reshape(batch, self.num_kv_heads, groups, seq, self.head_dim)
-            keys, values, allowed = [k], [v], [new_allowed]
-            if cached is not None:
-                cached_keys, cached_values = cached.materialize()
-                keys.insert(0, cached_keys)
-                values.insert(0, cached_values)
-                allowed.insert(0, cached_allowed)
-            out = masked_softmax_attention(q, keys, values, allowed, self.scale)
-        out = out.reshape(batch, self.num_heads, seq, self.head_dim).transpose(0, 2, 1, 3)
-        return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)), (k, v)
+        return q, k, v

@@ -13,6 +13,7 @@ from ..cache import KVCache
 from ..paged_cache import PagedKVCache
 from .. import sharding
 from ..config import DecoderConfig
+from ..models import architecture_of
 from .decoder import REMAT_POLICIES, Decoder
 from .linear import Linear
 
@@ -59,7 +60,7 @@ class CausalLM(eqx.Module):
         self.lm_head = (
             None
             if config.tie_word_embeddings
-            else Linear(config.hidden_size, config.vocab_size, key=k_head)
+            else Linear(config.hidden_size, config.vocab_size, axes=("vocab", "embed"), key=k_head)
         )
         self.config = config
         self.placement = None
@@ -142,6 +143,9 @@ class CausalLM(eqx.Module):
                 logits = self.model.embed_tokens.attend(hidden)
             else:
                 logits = self.lm_head(hidden)
+            finalize = architecture_of(self.config).finalize_logits
+            if finalize is not None:
+                logits = finalize(self.config, logits)
         if placement is not None:
             logits = placement.constrain(logits, ("batch", None, "vocab"))
             if isinstance(cache, KVCache):
@@ -221,8 +225,9 @@ class CausalLM(eqx.Module):
             max_length or window, head_dim]`, nothing written.
         """
         c = self.config
-        shape = (c.num_hidden_layers, batch_size, c.num_key_value_heads, max_length, c.head_dim,
-                 jnp.dtype(dtype or self.dtype), self.model.ring_window)
+        layout = c.cache_layout()
+        shape = (c.num_hidden_layers, batch_size, layout.kv_heads, max_length, layout.key_dim,
+                 jnp.dtype(dtype or self.dtype), self.model.ring_window, layout.value_dim)
         if self.placement is None:
             return KVCache.empty(*shape)
         return _placed_cache_maker(shape, self.placement)()

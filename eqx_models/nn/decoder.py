@@ -3,19 +3,19 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import sharding
 from ..cache import KVCache
-from ..paged_cache import PagedKVCache
 from ..config import DecoderConfig
-from .attention import Attention
+from ..paged_cache import PagedKVCache
+from ..sharding import stacked_field
+from .attention import Attention, LayerInputs
 from .linear import Embedding, layer_view
+from .moe import MixedMLP, SparseMoeBlock, mlp_for
 from .mlp import GatedMLP
-from .moe import MixedMLP, SparseMoeBlock, dense_mlp, sparse_mlp
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
-
 
 # What the backward pass keeps from a layer's forward pass (`CausalLM.with_remat`):
 # "none" keeps everything, "full" only the layer's input (the layer is recomputed),
@@ -37,130 +37,149 @@ def _positions_in_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "
 
 
 class DecoderLayer(eqx.Module):
-    """Pre-norm block: `x + attn(norm(x))`, then `x + mlp(norm(x))`.
+    """Pre-norm block (Llama): `x + attn(input_layernorm(x))`, then
+    `x + mlp(post_attention_layernorm(x))`.
 
-    With sandwich norms (Gemma) each sublayer's output is normalised too:
-    `x + post_attention_layernorm(attn(input_layernorm(x)))`, then
-    `x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`; otherwise
-    `post_attention_layernorm` is the norm before the MLP, as in Llama.
+    The layer contract every architecture's layer follows: built as
+    `layer(config, key=key)` (with `mlp=False` it leaves `mlp` as None, for a stack
+    that sets a `MixedMLP` after), stacked with `eqx.filter_vmap`, and called as
+    `layer(x, inputs, cached)` with the decoder's `LayerInputs` and this layer's
+    cache view, returning the new hidden states and this step's keys/values.
+    `attention_for`, `mlp_for` and `norm_for` make the sublayers; a subclass that
+    changes only those overrides them.
     """
 
     self_attn: Attention
-    mlp: GatedMLP | SparseMoeBlock | MixedMLP
+    mlp: GatedMLP | SparseMoeBlock | MixedMLP | None
     input_layernorm: RMSNorm
     post_attention_layernorm: RMSNorm
-    pre_feedforward_layernorm: RMSNorm | None
-    post_feedforward_layernorm: RMSNorm | None
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
-        """`mlp=False` leaves `mlp` as None, for a stack that sets a `MixedMLP` after."""
         k_attn, k_mlp = jax.random.split(key)
-        self.self_attn = Attention(
-            config.hidden_size,
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-            use_bias=config.attention_bias,
-            output_bias=config.o_proj_bias,
-            qk_norm_eps=config.rms_norm_eps if config.use_qk_norm else None,
-            norm_unit_offset=config.norm_unit_offset,
-            query_pre_attn_scalar=config.query_pre_attn_scalar,
-            key=k_attn,
-        )
-        every_layer_sparse = len(config.sparse_layers) == config.num_hidden_layers
-        self.mlp = (sparse_mlp(config, k_mlp) if every_layer_sparse else dense_mlp(config, k_mlp)) if mlp else None
-        norm = lambda: RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
-        self.input_layernorm = norm()
-        self.post_attention_layernorm = norm()
-        self.pre_feedforward_layernorm = norm() if config.sandwich_norms else None
-        self.post_feedforward_layernorm = norm() if config.sandwich_norms else None
+        self.self_attn = self.attention_for(config, k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = self.norm_for(config, config.hidden_size)
+        self.post_attention_layernorm = self.norm_for(config, config.hidden_size)
+
+    @staticmethod
+    def norm_for(config: DecoderConfig, dim: int) -> eqx.Module:
+        """The norm this layer applies over `dim` hidden channels."""
+        return RMSNorm(dim, config.rms_norm_eps)
+
+    @staticmethod
+    def attention_for(config: DecoderConfig, key: PRNGKeyArray) -> eqx.Module:
+        """This layer's attention block."""
+        return Attention.from_config(config, key=key)
+
+    @staticmethod
+    def mlp_for(config: DecoderConfig, key: PRNGKeyArray, sparse: bool) -> eqx.Module:
+        """This layer's MLP when dense (`sparse=False`) or a mixture of experts."""
+        return mlp_for(config, key, sparse)
 
     def __call__(
         self,
         x: Float[Array, "batch seq hidden"],
-        cos: Float[Array, "batch seq head_dim"],
-        sin: Float[Array, "batch seq head_dim"],
-        new_allowed: Bool[Array, "batch seq seq"],
+        inputs: LayerInputs,
         cached=None,
-        cached_allowed: Bool[Array, "batch seq kv_seq"] | None = None,
-    ) -> tuple[
-        Float[Array, "batch seq hidden"],
-        tuple[Float[Array, "batch kv_heads seq head_dim"], Float[Array, "batch kv_heads seq head_dim"]],
-    ]:
-        attn_out, new_kv = self.self_attn(
-            self.input_layernorm(x), cos, sin, new_allowed, cached, cached_allowed
-        )
-        if self.pre_feedforward_layernorm is None:
-            x = x + attn_out
-            return x + self.mlp(self.post_attention_layernorm(x)), new_kv
-        x = x + self.post_attention_layernorm(attn_out)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), new_kv
+    ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array]]:
+        attn_out, new_kv = self.self_attn(self.input_layernorm(x), inputs, cached)
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+def _stack_layers(layer_cls, config: DecoderConfig, key: PRNGKeyArray):
+    """`config.num_hidden_layers` layers of `layer_cls` stacked along a leading axis.
+
+    When only some layers are sparse, each kind of MLP is stacked over its own
+    layers (`MixedMLP`), so neither carries weights for the other's layers.
+    """
+    layer_keys = jax.random.split(key, config.num_hidden_layers)
+    sparse_layers = config.sparse_layers
+    if not 0 < len(sparse_layers) < config.num_hidden_layers:
+        return eqx.filter_vmap(lambda k: layer_cls(config, key=k))(layer_keys)
+    layers = eqx.filter_vmap(lambda k: layer_cls(config, key=k, mlp=False))(layer_keys)
+    mixed = MixedMLP(config, sparse_layers, layer_cls.mlp_for, key=jax.random.fold_in(key, 1))
+    return eqx.tree_at(lambda l: l.mlp, layers, mixed, is_leaf=lambda x: x is None)
 
 
 class Decoder(eqx.Module):
     """Embeddings, the stacked decoder layers and the final norm (HF's `model`).
 
-    `layers` is one `DecoderLayer` whose array leaves carry a leading `layers` axis.
-    With `scan_layers=True` the stack runs under `jax.lax.scan`, so compile time
-    does not grow with depth; `scan_layers=False` unrolls a Python loop over the
-    same stacked weights (for debugging and comparison; the numbers are identical).
+    `layers` is one layer module (the architecture's class; `DecoderLayer` unless it
+    brings its own) whose array leaves carry a leading `layers` axis. With
+    `scan_layers=True` the stack runs under `jax.lax.scan`, so compile time does not
+    grow with depth; `scan_layers=False` unrolls a Python loop over the same stacked
+    weights (for debugging and comparison; the numbers are identical).
+
+    Layers may attend differently (`DecoderConfig.attention_kinds`: sliding or
+    global, their own rotary base, no rotary at all): the rotary tables and masks
+    are built once per distinct kind, and each layer takes its own kind's.
     """
 
     embed_tokens: Embedding
-    layers: DecoderLayer
-    norm: RMSNorm
-    rotary_emb: RotaryEmbedding
-    local_rotary_emb: RotaryEmbedding | None
+    layers: eqx.Module = stacked_field("layers")
+    norm: eqx.Module
+    kinds: tuple[RotaryEmbedding, ...]
+    windows: tuple[int | None, ...] = eqx.field(static=True)
+    layer_kinds: tuple[int, ...] = eqx.field(static=True)
     scan_layers: bool = eqx.field(static=True)
     remat: str = eqx.field(static=True)
-    sliding_window: int | None = eqx.field(static=True)
-    sliding_layers: tuple[bool, ...] = eqx.field(static=True)
-    embed_scale: float | None = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, scan_layers: bool = True):
+        from ..models import architecture_of
+
+        arch = architecture_of(config)
         k_embed, k_layers = jax.random.split(key)
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size, key=k_embed)
-        layer_keys = jax.random.split(k_layers, config.num_hidden_layers)
-        sparse_layers = config.sparse_layers
-        if 0 < len(sparse_layers) < config.num_hidden_layers:
-            # Some layers dense, some sparse: each kind stacked over its own layers.
-            layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k, mlp=False))(layer_keys)
-            mixed = MixedMLP(config, sparse_layers, key=jax.random.fold_in(k_layers, 1))
-            self.layers = eqx.tree_at(lambda l: l.mlp, layers, mixed, is_leaf=lambda x: x is None)
-        else:
-            self.layers = eqx.filter_vmap(lambda k: DecoderLayer(config, key=k))(layer_keys)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=config.norm_unit_offset)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
-        self.local_rotary_emb = (
-            None if config.local_rope_theta is None else RotaryEmbedding(config.head_dim, config.local_rope_theta, None)
+        self.embed_tokens = Embedding(
+            config.vocab_size, config.hidden_size, scale=arch.embed_scale(config), key=k_embed
         )
+        self.layers = _stack_layers(arch.layer or DecoderLayer, config, k_layers)
+        self.norm = (
+            RMSNorm(config.hidden_size, config.rms_norm_eps) if arch.norm is None else arch.norm(config, config.hidden_size)
+        )
+        per_layer = config.attention_kinds()
+        distinct = list(dict.fromkeys(per_layer))
+        self.kinds = tuple(RotaryEmbedding(config.rotary_dim, kind.rope_theta, kind.rope_scaling) for kind in distinct)
+        self.windows = tuple(kind.window for kind in distinct)
+        self.layer_kinds = tuple(distinct.index(kind) for kind in per_layer)
         self.scan_layers = scan_layers
         self.remat = "none"
-        self.sliding_window = config.sliding_window
-        self.sliding_layers = config.sliding_layers
-        self.embed_scale = config.embed_scale
 
     @property
     def num_layers(self) -> int:
-        return self.layers.input_layernorm.weight.shape[0]
+        return len(self.layer_kinds)
 
     @property
     def ring_window(self) -> int | None:
-        """The cache's ring size: the window when every layer slides, else None
-        (global layers need every position; sliding ones are masked)."""
-        return self.sliding_window if self.sliding_layers and all(self.sliding_layers) else None
-
-    def _in_window(self, query_positions: Int[Array, "batch seq"], key_positions: Int[Array, "batch keys"]):
-        """`[batch, seq, keys]`: keys among the last `sliding_window` positions of each
-        query (itself included), as `transformers` masks them."""
-        return query_positions[:, :, None] - key_positions[:, None, :] < self.sliding_window
+        """The cache's ring size: the window when every layer slides through the
+        same one, else None (full layers need every position; sliding ones are
+        masked)."""
+        return self.windows[0] if len(set(self.windows)) == 1 else None
 
     def substack_layers(self) -> dict[str, tuple[int, ...]]:
         """Leaves of `layers` stacked over a subset of the layers: their path under
         `layers` -> the layer numbers they hold, in order (for the checkpoint names)."""
-        if isinstance(self.layers.mlp, MixedMLP):
+        if isinstance(getattr(self.layers, "mlp", None), MixedMLP):
             return self.layers.mlp.substack_layers("mlp.")
         return {}
+
+    def _layer_inputs(self, positions, new_allowed, cache, attention_mask) -> list[LayerInputs]:
+        """The rotary tables and masks of each kind of layer."""
+        cached_allowed = None
+        if cache is not None:
+            cached_allowed = jnp.broadcast_to(cache.valid[:, None, :], (cache.batch_size, positions.shape[1], cache.max_length))
+        out = []
+        for rotary, window in zip(self.kinds, self.windows):
+            cos, sin = rotary(positions)
+            new, cached = new_allowed, cached_allowed
+            if window is not None:
+                # Keys among the last `window` positions of each query (itself
+                # included), as `transformers` masks them.
+                in_window = lambda keys: positions[:, :, None] - keys[:, None, :] < window
+                new = new & in_window(positions)
+                cached = None if cache is None else cached & in_window(cache.slot_positions)
+            out.append(LayerInputs(cos, sin, new, cached, attention_mask))
+        return out
 
     def __call__(
         self,
@@ -183,44 +202,27 @@ class Decoder(eqx.Module):
         if segment_ids is not None and (cache is not None or new_cache_length is not None):
             raise ValueError("segment_ids (packed sequences) are for a forward pass without a cache.")
         x = sharding.constrain(self.embed_tokens(input_ids), ("batch", None, None))
-        if self.embed_scale is not None:
-            x = x * jnp.asarray(self.embed_scale, x.dtype)
         if cache is None:
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
-            cached_allowed = None
         else:
             positions = cache.new_positions(attention_mask)
-            cached_allowed = jnp.broadcast_to(
-                cache.valid[:, None, :], (cache.batch_size, seq, cache.max_length)
-            )
         causal = jnp.tril(jnp.ones((seq, seq), bool))
         new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
         if segment_ids is not None:
             new_allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
             positions = _positions_in_segments(segment_ids)
-        # What a layer attends with, per kind: (rotary tables, new-token mask, cache mask).
-        any_sliding, all_sliding = any(self.sliding_layers), all(self.sliding_layers)
-        if not all_sliding:
-            full = (self.rotary_emb(positions), new_allowed, cached_allowed)
-        if any_sliding:
-            rotary = self.rotary_emb if self.local_rotary_emb is None else self.local_rotary_emb
-            windowed_cache = None if cache is None else cached_allowed & self._in_window(positions, cache.slot_positions)
-            local = (rotary(positions), new_allowed & self._in_window(positions, positions), windowed_cache)
-        sliding = jnp.asarray(self.sliding_layers)
+        kinds = self._layer_inputs(positions, new_allowed, cache, attention_mask)
+        if len(kinds) > 1:
+            stacked = jax.tree.map(lambda *a: jnp.stack(a), *kinds)
+            kind_of = jnp.asarray(self.layer_kinds, jnp.int32)
 
         def run_layer(h, index):
             # Weights and cache enter the loop whole; each layer refers to its slice
             # by index (see `LayerSlice`, `LayerKV`) rather than receiving a copy.
             layer = layer_view(self.layers, index)
             layer_kv = None if cache is None else cache.layer(index)
-            if all_sliding:
-                inputs = local
-            elif not any_sliding:
-                inputs = full
-            else:  # local and global layers (Gemma 3): this layer's kind
-                inputs = jax.tree.map(lambda a, b: jnp.where(sliding[index], a, b), local, full)
-            (cos, sin), allowed, allowed_cached = inputs
-            h, new_kv = layer(h, cos, sin, allowed, layer_kv, allowed_cached)
+            inputs = kinds[0] if len(kinds) == 1 else jax.tree.map(lambda a: a[kind_of[index]], stacked)
+            h, new_kv = layer(h, inputs, layer_kv)
             return sharding.constrain(h, ("batch", None, None)), new_kv
 
         if self.remat != "none":
@@ -240,7 +242,8 @@ class Decoder(eqx.Module):
         if cache is None and new_cache_length is not None:
             layers, batch, kv_heads, _, head_dim = new_keys.shape
             cache = KVCache.empty(
-                layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype, self.ring_window
+                layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype, self.ring_window,
+                new_values.shape[-1],
             )
         if cache is not None:
             cache = cache.append(new_keys, new_values, attention_mask)

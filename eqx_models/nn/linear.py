@@ -97,14 +97,29 @@ class Linear(eqx.Module):
     """`y = x @ weight.T + bias`, with `weight` shaped `(out, in)` as in torch.
 
     Works on any leading axes, so one module serves `[batch, seq, in]` activations.
+    `axes` names the logical axes of `(out, in)` (`("heads", "embed")` for a query
+    projection), which sharding rules map onto a mesh.
     """
 
     weight: Float[Array, "out in"] | LayerSlice
     bias: Float[Array, " out"] | None
+    axes: tuple[str | None, str | None] = eqx.field(static=True)
 
-    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, key: PRNGKeyArray):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str | None, str | None],
+        use_bias: bool = False,
+        key: PRNGKeyArray,
+    ):
         self.weight = INIT_STD * jax.random.normal(key, (out_features, in_features))
         self.bias = jnp.zeros((out_features,)) if use_bias else None
+        self.axes = tuple(axes)
+
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        return {"weight": self.axes, "bias": self.axes[:1]}
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:
         return self.finish(x, project(x, self.weight))
@@ -141,15 +156,26 @@ def layer_view(stacked, index: Int[Array, ""]):
 
 
 class Embedding(eqx.Module):
-    """Token embedding table shaped `(vocab, hidden)`."""
+    """Token embedding table shaped `(vocab, hidden)`.
+
+    With a `scale` (Gemma's `sqrt(hidden_size)`, Granite's `embedding_multiplier`)
+    the looked-up rows are multiplied by it, in the activation dtype; the tied head
+    (`attend`) uses the table unscaled.
+    """
 
     weight: Float[Array, "vocab hidden"]
+    scale: float | None = eqx.field(static=True)
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, key: PRNGKeyArray):
+    def __init__(self, vocab_size: int, hidden_size: int, *, scale: float | None = None, key: PRNGKeyArray):
         self.weight = INIT_STD * jax.random.normal(key, (vocab_size, hidden_size))
+        self.scale = scale
+
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        return {"weight": ("vocab", "embed")}
 
     def __call__(self, input_ids: Int[Array, "*batch"]) -> Float[Array, "*batch hidden"]:
-        return jnp.take(self.weight, input_ids, axis=0)
+        rows = jnp.take(self.weight, input_ids, axis=0)
+        return rows if self.scale is None else rows * jnp.asarray(self.scale, rows.dtype)
 
     def attend(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
         """Projects hidden states onto the vocabulary with the same table (tied head)."""

@@ -48,9 +48,9 @@ class GatedMLP(eqx.Module):
         key: PRNGKeyArray,
     ):
         kg, ku, kd = jax.random.split(key, 3)
-        self.gate_proj = Linear(hidden_size, intermediate_size, use_bias=use_bias, key=kg)
-        self.up_proj = Linear(hidden_size, intermediate_size, use_bias=use_bias, key=ku)
-        self.down_proj = Linear(intermediate_size, hidden_size, use_bias=use_bias, key=kd)
+        self.gate_proj = Linear(hidden_size, intermediate_size, axes=("mlp", "embed"), use_bias=use_bias, key=kg)
+        self.up_proj = Linear(hidden_size, intermediate_size, axes=("mlp", "embed"), use_bias=use_bias, key=ku)
+        self.down_proj = Linear(intermediate_size, hidden_size, axes=("embed", "mlp"), use_bias=use_bias, key=kd)
         self.hidden_act = hidden_act
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:

@@ -11,6 +11,7 @@ No token is dropped.
 """
 
 import math
+from collections.abc import Callable
 
 import equinox as eqx
 import jax
@@ -20,6 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import sharding
 from ..config import DecoderConfig
+from ..sharding import stacked_field
 from .linear import LayerSlice, Linear, layer_view, project, project_many
 from .mlp import ACTIVATIONS, GatedMLP
 
@@ -29,9 +31,9 @@ MAX_BLOCK_ROWS = 128
 class Experts(eqx.Module):
     """`num_experts` gated MLPs whose weights are stacked `[experts, out, in]`."""
 
-    gate_proj: Linear
-    up_proj: Linear
-    down_proj: Linear
+    gate_proj: Linear = stacked_field("experts")
+    up_proj: Linear = stacked_field("experts")
+    down_proj: Linear = stacked_field("experts")
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, key: PRNGKeyArray):
         mlps = eqx.filter_vmap(lambda k: GatedMLP(hidden_size, intermediate_size, key=k))(
@@ -111,7 +113,7 @@ class SparseMoeBlock(eqx.Module):
         key: PRNGKeyArray,
     ):
         k_gate, k_experts = jax.random.split(key)
-        self.gate = Linear(hidden_size, num_experts, key=k_gate)
+        self.gate = Linear(hidden_size, num_experts, axes=("router", "embed"), key=k_gate)
         self.experts = Experts(num_experts, hidden_size, intermediate_size, key=k_experts)
         self.num_experts = num_experts
         self.top_k = top_k
@@ -123,9 +125,31 @@ class SparseMoeBlock(eqx.Module):
         if placement is not None and placement.num_devices > 1:
             return self._on_mesh(x, placement)
         tokens = x.reshape(-1, x.shape[-1])
-        weights, chosen = route(self.gate(tokens), self.top_k, self.norm_topk_prob)
-        stacks = tuple(l.weight for l in (self.experts.gate_proj, self.experts.up_proj, self.experts.down_proj))
+        weights, chosen = self.route_tokens(self.gate, tokens)
+        stacks = tuple(array for array, _ in self.expert_arrays())
         return self._run_experts(tokens, weights, chosen, stacks, self.num_experts).reshape(x.shape)
+
+    def route_tokens(
+        self, gate: eqx.Module, tokens: Float[Array, "tokens hidden"]
+    ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+        """Each token's experts and their weights, from the router `gate` (this
+        layer's, its weights whole): a softmax over `gate(tokens)`, the `top_k`
+        largest, renormalised with `norm_topk_prob`."""
+        return route(gate(tokens), self.top_k, self.norm_topk_prob)
+
+    def expert_arrays(self) -> list[tuple[Array | LayerSlice, tuple[str | None, ...]]]:
+        """The `[experts, ...]` arrays `expert_forward` reads, each with the logical
+        axes of its per-expert part (for splitting them over a mesh)."""
+        experts = self.experts
+        return [(experts.gate_proj.weight, ("mlp", "embed")), (experts.up_proj.weight, ("mlp", "embed")),
+                (experts.down_proj.weight, ("embed", "mlp"))]
+
+    def expert_forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
+        """Expert `expert` applied to the rows `h`; `arrays` are `expert_arrays()`'s
+        arrays (or each device's part of them)."""
+        gate_w, up_w, down_w = arrays
+        gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
+        return project(ACTIVATIONS[self.hidden_act](gate) * up, _expert_weight(down_w, expert))
 
     def _run_experts(self, tokens, weights, chosen, stacks, num_experts: int, *, local_experts: int | None = None):
         """Each token's `top_k` experts' outputs, weighted and summed. With
@@ -143,16 +167,12 @@ class SparseMoeBlock(eqx.Module):
         rows, block_expert, used = expert_blocks(chosen.reshape(-1), num_experts, block_rows, counted=local_experts)
         padded = jnp.concatenate([tokens, jnp.zeros((1, hidden), tokens.dtype)])
         token_of = jnp.where(rows < count, rows // self.top_k, tokens.shape[0])
-        act = ACTIVATIONS[self.hidden_act]
-        gate_w, up_w, down_w = stacks
 
         def run_block(_, block):
             index, token_rows, expert = block
 
             def compute():
-                h = padded[token_rows]
-                gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
-                return project(act(gate) * up, _expert_weight(down_w, expert))
+                return self.expert_forward(padded[token_rows], expert, stacks)
 
             out = jax.lax.cond(
                 index < used, compute, lambda: _zeros_varying_like((token_rows.shape[0], hidden), tokens.dtype, padded, *stacks)
@@ -186,12 +206,12 @@ class SparseMoeBlock(eqx.Module):
         token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
         token_axes = _axes(_entry(token_spec, 0))
         weights, specs = [], []
-        for linear, own in ((self.experts.gate_proj, ("mlp", None)), (self.experts.up_proj, ("mlp", None)),
-                            (self.experts.down_proj, (None, "mlp"))):
-            weight = linear.weight.materialize() if isinstance(linear.weight, LayerSlice) else linear.weight
+        for weight, own in self.expert_arrays():
+            weight = weight.materialize() if isinstance(weight, LayerSlice) else weight
+            own = tuple(None if a == "embed" else a for a in own)  # each device holds whole rows of `embed`
             spec = placement.spec(("experts",) + own, weight.shape)
             weights.append(weight)
-            specs.append(PartitionSpec(_entry(spec, 0), *(None if a == "embed" else e for a, e in zip(own, spec[1:]))))
+            specs.append(PartitionSpec(_entry(spec, 0), *(None if a is None else e for a, e in zip(own, spec[1:]))))
         expert_axes = _axes(_entry(specs[0], 0))
         width_axes = _axes(_entry(specs[0], 1))
         partial_axes = expert_axes + width_axes  # devices whose outputs are partial sums
@@ -199,9 +219,10 @@ class SparseMoeBlock(eqx.Module):
         sum_axes = tuple(a for a in partial_axes if a not in gather_axes)
         sizes = placement.axis_sizes
         local = self.num_experts // math.prod(sizes[a] for a in expert_axes)
-        router = self.gate.weight.materialize() if isinstance(self.gate.weight, LayerSlice) else self.gate.weight
+        whole = lambda a: a.materialize() if isinstance(a, LayerSlice) else a
+        router = jax.tree.map(whole, self.gate, is_leaf=lambda a: isinstance(a, LayerSlice))
 
-        def on_device(x, router, router_bias, weights):
+        def on_device(x, router, weights):
             tokens = x.reshape(-1, x.shape[-1])
             if gather_axes:
                 tokens = jax.lax.all_gather(tokens, gather_axes, tiled=True)
@@ -209,9 +230,7 @@ class SparseMoeBlock(eqx.Module):
             # otherwise JAX casts inside its `cond` branches, and those casts
             # transpose to collectives that only the devices taking a branch reach.
             tokens, *weights = _vary_alike(tokens, *weights)
-            logits = project(tokens, router)
-            weights_of, chosen = route(logits if router_bias is None else logits + router_bias, self.top_k,
-                                       self.norm_topk_prob)
+            weights_of, chosen = self.route_tokens(router, tokens)
             if expert_axes:
                 first = jax.lax.axis_index(expert_axes) * local
                 mine = (chosen >= first) & (chosen < first + local)
@@ -230,9 +249,9 @@ class SparseMoeBlock(eqx.Module):
         return jax.shard_map(
             on_device,
             mesh=placement.mesh,
-            in_specs=(token_spec, PartitionSpec(), PartitionSpec(), tuple(specs)),
+            in_specs=(token_spec, PartitionSpec(), tuple(specs)),
             out_specs=token_spec,
-        )(x, router, self.gate.bias, tuple(weights))
+        )(x, router, tuple(weights))
 
 
 def _vary_alike(*arrays) -> list[Array]:
@@ -287,6 +306,11 @@ def sparse_mlp(config: DecoderConfig, key: PRNGKeyArray) -> SparseMoeBlock:
     )
 
 
+def mlp_for(config: DecoderConfig, key: PRNGKeyArray, sparse: bool) -> GatedMLP | SparseMoeBlock:
+    """A layer's MLP: the mixture-of-experts block if `sparse`, else the dense one."""
+    return sparse_mlp(config, key) if sparse else dense_mlp(config, key)
+
+
 class MixedMLP(eqx.Module):
     """The MLPs of a layer stack in which only some layers are sparse (Qwen3-MoE's
     `mlp_only_layers` / `decoder_sparse_step`).
@@ -302,13 +326,24 @@ class MixedMLP(eqx.Module):
     sparse_layers: tuple[int, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
 
-    def __init__(self, config: DecoderConfig, sparse_layers: tuple[int, ...], *, key: PRNGKeyArray):
+    def __init__(
+        self,
+        config: DecoderConfig,
+        sparse_layers: tuple[int, ...],
+        make_mlp: Callable[[DecoderConfig, PRNGKeyArray, bool], eqx.Module] | None = None,
+        *,
+        key: PRNGKeyArray,
+    ):
+        """`make_mlp(config, key, sparse)` builds one layer's MLP of either kind
+        (default: `GatedMLP` or `SparseMoeBlock` as `config` describes them)."""
+        make_mlp = make_mlp or mlp_for
         k_dense, k_sparse = jax.random.split(key)
         self.num_layers = config.num_hidden_layers
         self.sparse_layers = tuple(sparse_layers)
         dense_keys = jax.random.split(k_dense, len(self.dense_layers))
-        self.dense = eqx.filter_vmap(lambda k: dense_mlp(config, k))(dense_keys)
-        self.sparse = eqx.filter_vmap(lambda k: sparse_mlp(config, k))(jax.random.split(k_sparse, len(sparse_layers)))
+        self.dense = eqx.filter_vmap(lambda k: make_mlp(config, k, False))(dense_keys)
+        sparse_keys = jax.random.split(k_sparse, len(sparse_layers))
+        self.sparse = eqx.filter_vmap(lambda k: make_mlp(config, k, True))(sparse_keys)
 
     @property
     def dense_layers(self) -> tuple[int, ...]:

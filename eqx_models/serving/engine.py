@@ -173,8 +173,9 @@ class Engine:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
         self.pages_per_seq = math.ceil(self.max_model_len / page_size)
+        layout = config.cache_layout()
         page_bytes = (
-            2 * config.num_hidden_layers * config.num_key_value_heads * page_size * config.head_dim
+            config.num_hidden_layers * layout.kv_heads * page_size * (layout.key_dim + layout.value_dim)
             * jnp.dtype(model.dtype).itemsize
         )
         if num_pages is not None and kv_cache_memory is not None:
@@ -188,8 +189,8 @@ class Engine:
                     f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each); give more."
                 )
         self.allocator = PageAllocator(num_pages)
-        pool_shape = (config.num_hidden_layers, num_pages, config.num_key_value_heads, page_size, config.head_dim)
-        self.pools = self._empty_pools(pool_shape, model.dtype)
+        pool_shape = (config.num_hidden_layers, num_pages, layout.kv_heads, page_size, layout.key_dim)
+        self.pools = self._empty_pools(pool_shape, model.dtype, layout.value_dim)
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
         self.waiting: collections.deque[_Sequence] = collections.deque()
@@ -214,10 +215,10 @@ class Engine:
         )
 
     @staticmethod
-    def _empty_pools(shape: tuple[int, ...], dtype) -> tuple[jax.Array, jax.Array]:
+    def _empty_pools(shape: tuple[int, ...], dtype, value_dim: int) -> tuple[jax.Array, jax.Array]:
         # Committed to a device like the step's outputs that replace them: jit keys
         # its compiled code on that too, and would otherwise compile every shape twice.
-        pools = PagedKVCache.empty_pool(*shape, dtype=dtype)
+        pools = PagedKVCache.empty_pool(*shape, dtype=dtype, value_dim=value_dim)
         return jax.device_put(pools, jax.devices()[0])
 
     # ----------------------------------------------------------------- requests
@@ -351,7 +352,7 @@ class Engine:
                 self.running.clear()
                 self.waiting.clear()
                 if any(pool.is_deleted() for pool in self.pools):  # donated to the call that failed
-                    self.pools = self._empty_pools(self.pools[0].shape, self.pools[0].dtype)
+                    self.pools = self._empty_pools(self.pools[0].shape, self.pools[0].dtype, self.pools[1].shape[-1])
 
     # ------------------------------------------------------------------- steps
 

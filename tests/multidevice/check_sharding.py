@@ -12,7 +12,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import make_checkpoint, tiny_config
 from test_published_configs import LLAMA_3_1_70B, QWEN3_30B_A3B
-from eqx_models import from_pretrained, generate
+from zoo import tiny_overrides
+from eqx_models import from_pretrained, generate, supported_model_types
 from eqx_models.generation import trace_counts
 from eqx_models.hub import _leaf_names
 from eqx_models.models import architecture_for
@@ -141,7 +142,7 @@ def test_sharded_run_equals_single_device(references, model_name, preset):
     # pins the intended layout for the weights that show each preset.
     params = eqx.filter(model, eqx.is_array)
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
-    axes = jax.tree.leaves(logical_axes(params), is_leaf=lambda x: isinstance(x, tuple))
+    axes = jax.tree.leaves(logical_axes(params), is_leaf=lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
     checked = set()
     for (path, leaf), names in zip(leaves, axes):
         name = _leaf_names(path)
@@ -234,6 +235,23 @@ def test_loss_and_gradients_on_a_mesh_equal_single_device(references, model_name
     assert abs(float(mesh_loss) - float(loss)) < 1e-5
     for a, b in zip(jax.tree.leaves(eqx.filter(mesh_grads, eqx.is_array)), jax.tree.leaves(eqx.filter(grads, eqx.is_array))):
         assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-4 * max(np.max(np.abs(np.asarray(b))), 1e-6)
+
+
+@pytest.mark.parametrize("model_type", supported_model_types())
+def test_every_architecture_on_a_tensor_and_data_parallel_mesh_equals_one_device(model_type, tmp_path):
+    """Each registered family (its tiny config, tests/zoo.py) split over tensor x data:
+    heads, MLP and the layer's own projections over `tensor`, the batch over `data`."""
+    make_checkpoint(tmp_path, tiny_config(model_type, **tiny_overrides(model_type)))
+    single = from_pretrained(tmp_path, dtype=jnp.float32)
+    model = from_pretrained(tmp_path, dtype=jnp.float32, mesh=mesh_of({"data": 4, "tensor": 2}))
+    ids, mask = prompts()
+    ids = ids % single.config.vocab_size
+    expected, got = run(single, ids, mask), run(model, ids, mask)
+    assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
+    assert np.max(np.abs(got["stepwise"] - expected["stepwise"])) < 1e-4
+    np.testing.assert_array_equal(got["tokens"], expected["tokens"])
+    split = [leaf for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array)) if "tensor" in str(leaf.sharding.spec)]
+    assert split  # something really is split over tensor
 
 
 PUBLISHED = {"qwen3_30b_a3b": QWEN3_30B_A3B, "llama_3_1_70b": LLAMA_3_1_70B}
