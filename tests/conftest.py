@@ -1,10 +1,12 @@
 """Shared test helpers: fixture paths and tiny random `transformers` checkpoints."""
 
+import gc
 import os
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
+import jax
 import numpy as np
 import pytest
 import torch
@@ -101,3 +103,18 @@ def torch_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = Non
     with torch.no_grad():
         kwargs = {} if attention_mask is None else {"attention_mask": torch.tensor(attention_mask)}
         return model(torch.tensor(ids), **kwargs).logits.float().numpy()
+
+
+def release_compiled_code() -> None:
+    """Drops JAX's compiled executables. XLA:CPU maps each executable's code in
+    memory areas of its own, and a suite that compiles thousands of programs in one
+    process passes the kernel's limit on areas per process (`vm.max_map_count`,
+    65530), after which compiling segfaults."""
+    jax.clear_caches()
+    gc.collect()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_code_after_each_module():
+    yield
+    release_compiled_code()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import eqx_models
-from conftest import torch_logits
+from conftest import release_compiled_code, torch_logits
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -99,6 +99,12 @@ CASES = {
 # scaled frequencies matter.
 PROMPT_LEN = 40
 NEW_TOKENS = 30
+
+
+@pytest.fixture(autouse=True)
+def _release_each_cases_programs():
+    yield
+    release_compiled_code()  # every case is a model of its own (see conftest)
 
 
 @pytest.mark.parametrize("case", CASES)

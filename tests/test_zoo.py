@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import eqx_models
-from conftest import STORIES, make_checkpoint, require_fixture, tiny_config, torch_logits
+from conftest import STORIES, make_checkpoint, release_compiled_code, require_fixture, tiny_config, torch_logits
 from zoo import tiny_overrides
 
 PROMPT_LEN = 40
@@ -37,11 +37,12 @@ class Family:
 
 
 @pytest.fixture(scope="module", params=eqx_models.supported_model_types())
-def family(request, tmp_path_factory) -> Family:
+def family(request, tmp_path_factory):
     model_type = request.param
     folder = tmp_path_factory.mktemp(model_type)
     reference = make_checkpoint(folder, tiny_config(model_type, **tiny_overrides(model_type)))
-    return Family(model_type, folder, reference, eqx_models.from_pretrained(folder))
+    yield Family(model_type, folder, reference, eqx_models.from_pretrained(folder))
+    release_compiled_code()  # a family's programs are not used again (see conftest)
 
 
 def test_logits_match_transformers(family):
