@@ -365,6 +365,12 @@ def require_full_attention(hf: Mapping[str, Any], family: str) -> None:
         )
 
 
+def every_nth_full(num_layers: int, period: int) -> tuple[str, ...]:
+    """`layer_types` for a pattern of `period - 1` sliding layers then one full
+    layer, repeated (Gemma, gpt-oss, Cohere 2, EXAONE 4)."""
+    return tuple("sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers))
+
+
 def decoder_config_from_hf(
     hf: Mapping[str, Any],
     *,

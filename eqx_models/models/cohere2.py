@@ -17,7 +17,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..config import AttentionKind, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import AttentionKind, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention, LayerInputs
 from ..nn.moe import mlp_for
 from ..nn.norm import LayerNorm
@@ -82,9 +82,7 @@ class ParallelLayer(eqx.Module):
 def config_from_hf(hf: Mapping[str, Any]) -> Cohere2Config:
     layers = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", 4)
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
+    layer_types = hf.get("layer_types") or every_nth_full(layers, pattern)
     window = hf.get("sliding_window")
     return decoder_config_from_hf(
         hf,

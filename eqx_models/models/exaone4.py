@@ -15,7 +15,7 @@ from typing import Any
 
 from jaxtyping import PRNGKeyArray
 
-from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention
 from ..nn.decoder import DecoderLayer
 from . import Architecture
@@ -55,7 +55,7 @@ def _layer_types(hf: Mapping[str, Any]) -> tuple[str, ...] | None:
         raise ConfigError(
             f"EXAONE 4 sliding_window_pattern={pattern!r} (a string) is not supported; give layer_types instead."
         )
-    return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(hf["num_hidden_layers"]))
+    return every_nth_full(hf["num_hidden_layers"], pattern)
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> Exaone4Config:

@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
-from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention, LayerInputs
 from ..nn.decoder import DecoderLayer
 from ..nn.norm import RMSNorm
@@ -104,7 +104,7 @@ def refuse_bidirectional(hf: Mapping[str, Any], family: str) -> None:
 def config_from_hf(hf: Mapping[str, Any]) -> Gemma2Config:
     refuse_bidirectional(hf, "Gemma 2")
     layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    layer_types = hf.get("layer_types") or every_nth_full(layers, 2)
     softcap = lambda key: None if hf.get(key) is None else float(hf[key])
     return decoder_config_from_hf(
         {**hf, "hidden_act": hf.get("hidden_activation", hf.get("hidden_act", "gelu_pytorch_tanh"))},

@@ -13,7 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from . import Architecture
 from .gemma2 import Gemma2Config, SandwichLayer, embed_scale, gemma_norm, refuse_bidirectional
 
@@ -64,9 +64,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:
     full_rope, local_theta = _rope(hf)
     layers = hf["num_hidden_layers"]
     pattern = hf.get("sliding_window_pattern", hf.get("_sliding_window_pattern", 6))
-    layer_types = hf.get("layer_types") or [
-        "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)
-    ]
+    layer_types = hf.get("layer_types") or every_nth_full(layers, pattern)
     flat = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling", "rope_theta")}
     flat.update(rope_parameters=full_rope, hidden_act=hf.get("hidden_activation", "gelu_pytorch_tanh"))
     return decoder_config_from_hf(

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
+from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention, LayerInputs, attend
 from ..nn.decoder import DecoderLayer
 from ..nn.linear import Linear, project
@@ -171,7 +171,7 @@ def config_from_hf(hf: Mapping[str, Any]) -> GptOssConfig:
             "float weights. Dequantize it with transformers (Mxfp4Config(dequantize=True)) and save_pretrained first."
         )
     layers = hf["num_hidden_layers"]
-    layer_types = hf.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+    layer_types = hf.get("layer_types") or every_nth_full(layers, 2)
     window = hf.get("sliding_window")
     return decoder_config_from_hf(
         hf,
