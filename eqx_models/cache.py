@@ -5,7 +5,33 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .config import DecoderConfig
 from .kernels import decode_attention, write_slots
+
+
+class StateView(eqx.Module):
+    """A layer's access to a cache's recurrent state (see `DecoderConfig.recurrent_state`).
+
+    `state` holds the whole arrays, `[layers, slots, ...]` (carried through the
+    scan, so a layer updates them where they lie); row `b` of a call owns slot
+    `slots[b]` and, where `fresh[b]` (no tokens cached yet), starts from zeros.
+    """
+
+    state: eqx.Module
+    index: Int[Array, ""]
+    slots: Int[Array, " batch"]
+    fresh: Bool[Array, " batch"]
+
+    def read(self, array: Array, *within: int) -> Array:
+        """Each row's entry of `array` (a leaf of `state`) for this layer, at `within`
+        on the axes after the slots; zeros for fresh rows."""
+        rows = array[(self.index, self.slots, *within)]
+        return jnp.where(self.fresh.reshape(-1, *(1,) * (rows.ndim - 1)), 0, rows).astype(array.dtype)
+
+    def write(self, array: Array, rows: Array, *within: int) -> Array:
+        """`array` with each row's entry for this layer (at `within`) replaced by `rows`."""
+        # In bounds by construction; the default (drop what is out of bounds) costs a select.
+        return array.at[(self.index, self.slots, *within)].set(rows.astype(array.dtype), mode="promise_in_bounds")
 
 
 class LayerKV(eqx.Module):
@@ -15,12 +41,14 @@ class LayerKV(eqx.Module):
     the decode kernel reads the slice in place; `materialize()` gives the slice
     for everything else. Every cache kind has such a view with the same methods.
     A cache without value channels (`value_dim` 0) keeps its values in the keys'
-    first channels: `attend_token` then reads them there.
+    first channels: `attend_token` then reads them there. `state` gives the layer
+    the cache's recurrent state, or is None.
     """
 
     keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
     values: Float[Array, "layers batch kv_heads kv_seq value_dim"]
     index: Int[Array, ""]
+    state: StateView | None = None
 
     @property
     def dtype(self):
@@ -66,6 +94,11 @@ class KVCache(eqx.Module):
     stays bounded however long generation runs. Without one, writing past
     `max_length` is an error.
 
+    A model whose layers also carry a recurrent state (Gated DeltaNet's, see
+    `DecoderConfig.recurrent_state`) keeps it in `state`, arrays `[layers, batch,
+    ...]`: the decoder carries it through the scan, each layer updating its own
+    entries (`StateView`), and the call returns the state after its tokens.
+
     Attributes:
         keys: `[layers, batch, kv_heads, kv_seq, head_dim]`, already rotated.
         values: `[layers, batch, kv_heads, kv_seq, value_dim]` (`value_dim` 0: the keys' first channels serve).
@@ -74,6 +107,7 @@ class KVCache(eqx.Module):
         length: scalar, slots written so far (same for every row; past `max_length`
             only for a ring).
         window: the sliding window, or None.
+        state: the recurrent state, or None.
     """
 
     keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
@@ -82,6 +116,7 @@ class KVCache(eqx.Module):
     positions: Int[Array, " batch"]
     length: Int[Array, ""]
     window: int | None = eqx.field(static=True, default=None)
+    state: eqx.Module | None = None
 
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         """The logical axes of each array (for sharding rules).
@@ -103,8 +138,9 @@ class KVCache(eqx.Module):
         dtype=jnp.float32,
         window: int | None = None,
         value_dim: int | None = None,
+        state: eqx.Module | None = None,
     ) -> "KVCache":
-        """A cache with nothing written (`CausalLM.init_cache` fills these in).
+        """A cache with nothing written (`KVCache.for_config` fills these in).
 
         Args:
             num_layers: layers (the leading axis of keys and values).
@@ -117,6 +153,7 @@ class KVCache(eqx.Module):
             window: the sliding window, or None for a plain buffer.
             value_dim: width of a value row when it differs from `head_dim`; 0 for
                 values read from the keys' first channels (see `LayerKV`).
+            state: the empty recurrent state, or None.
 
         Returns:
             A `KVCache` whose slots are all empty (`slot_positions` -1).
@@ -131,6 +168,30 @@ class KVCache(eqx.Module):
             positions=jnp.zeros((batch_size,), jnp.int32),
             length=jnp.zeros((), jnp.int32),
             window=window,
+            state=state,
+        )
+
+    @classmethod
+    def for_config(
+        cls, config: DecoderConfig, batch_size: int, max_length: int, dtype, window: int | None = None
+    ) -> "KVCache":
+        """The empty cache of a model with `config` (`CausalLM.init_cache`).
+
+        Args:
+            config: the model's config (its `cache_layout`, `num_blocks` and
+                `recurrent_state`).
+            batch_size: rows.
+            max_length: slots per row.
+            dtype: keys and values dtype.
+            window: the ring size when every layer slides, else None.
+
+        Returns:
+            A `KVCache` with nothing written.
+        """
+        layout = config.cache_layout()
+        return cls.empty(
+            config.num_blocks, batch_size, layout.kv_heads, max_length, layout.key_dim, dtype, window,
+            layout.value_dim, config.recurrent_state(batch_size, dtype),
         )
 
     @property
@@ -142,16 +203,21 @@ class KVCache(eqx.Module):
     def batch_size(self) -> int:
         return self.keys.shape[1]
 
-    def layer(self, index: Int[Array, ""]) -> LayerKV:
+    def layer(self, index: Int[Array, ""], state: eqx.Module | None = None) -> LayerKV:
         """Layer `index` of the cache, read in place by the decode kernel.
 
         Args:
             index: the layer (a traced scalar inside the scan).
+            state: the recurrent state as the scan carries it (default: the cache's).
 
         Returns:
             A `LayerKV` view: the whole stacks plus the index, nothing copied.
         """
-        return LayerKV(self.keys, self.values, index)
+        state = self.state if state is None else state
+        view = None
+        if state is not None:
+            view = StateView(state, index, jnp.arange(self.batch_size, dtype=jnp.int32), self.positions == 0)
+        return LayerKV(self.keys, self.values, index, view)
 
     @property
     def valid(self) -> Bool[Array, "batch kv_seq"]:
@@ -175,6 +241,7 @@ class KVCache(eqx.Module):
         new_keys: Float[Array, "layers batch kv_heads seq head_dim"],
         new_values: Float[Array, "layers batch kv_heads seq value_dim"],
         attention_mask: Int[Array, "batch seq"],
+        new_state: eqx.Module | None = None,
     ) -> "KVCache":
         """Writes one step's keys/values after the last written slot.
 
@@ -188,6 +255,8 @@ class KVCache(eqx.Module):
                 (rotated).
             new_values: the matching values.
             attention_mask: `[batch, seq]`, 0 for left padding (stored with position -1).
+            new_state: the recurrent state after these tokens (all of it, replacing
+                the cache's), or None to keep it.
 
         Returns:
             The updated `KVCache`.
@@ -223,4 +292,5 @@ class KVCache(eqx.Module):
             positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
             length=self.length + seq,
             window=self.window,
+            state=self.state if new_state is None else new_state,
         )

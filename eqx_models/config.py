@@ -252,12 +252,39 @@ class DecoderConfig:
         return CacheLayout(self.num_key_value_heads, self.head_dim, self.head_dim)
 
     @property
+    def layers_per_block(self) -> int:
+        """Layers in one element of the decoder's stack: 1, unless the architecture's
+        layer class is a block of several layers with one attention among them (a
+        hybrid such as Qwen3-Next: three linear-attention layers, then one full)."""
+        return 1
+
+    @property
+    def num_blocks(self) -> int:
+        """Elements of the stack the decoder scans over (and layers of the KV cache)."""
+        return self.num_hidden_layers // self.layers_per_block
+
+    def recurrent_state(self, batch_size: int, dtype) -> Any:
+        """What a block carries from one call to the next besides keys and values: an
+        `eqx.Module` of zeroed arrays `[blocks, batch, ...]` declaring their logical
+        axes, or None (attention alone needs nothing else).
+
+        Args:
+            batch_size: rows.
+            dtype: the cache dtype (a state may keep its own, e.g. float32 sums).
+
+        Returns:
+            The empty state, or None.
+        """
+        return None
+
+    @property
     def rotary_dim(self) -> int:
         """Channels of a query/key head that rotate (the first ones)."""
         return int(self.head_dim * self.partial_rotary_factor)
 
     def attention_kinds(self) -> tuple["AttentionKind", ...]:
-        """Per layer, how it attends: its rotary base and scaling, and its window.
+        """Per layer (per block, see `layers_per_block`), how it attends: its rotary
+        base and scaling, and its window.
 
         The default: every layer rotates with `rope_theta` / `rope_scaling`, and the
         sliding layers see the last `sliding_window` positions.

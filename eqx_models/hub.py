@@ -110,7 +110,7 @@ def _to_jax(array: np.ndarray) -> jax.Array:
 
 
 def _leaf_names(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", k))) for k in path)
+    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
 def _hf_names(

@@ -10,6 +10,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from .cache import StateView
 from .kernels import gather_pages, paged_decode_attention, write_pages
 
 
@@ -25,6 +26,7 @@ class PagedLayerKV(eqx.Module):
     values: Float[Array, "layers pages kv_heads page_size value_dim"]
     block_tables: Int[Array, "batch pages_per_row"]
     index: Int[Array, ""]
+    state: StateView | None = None
 
     @property
     def dtype(self):
@@ -67,6 +69,12 @@ class PagedKVCache(eqx.Module):
     same page to two rows. Table entries past a row's tokens may name any page
     (they are never read unmasked), so unused rows can point at page 0.
 
+    A model with a recurrent state (`DecoderConfig.recurrent_state`) keeps it in a
+    pool of per-sequence slots, `state` (`[layers, slots, ...]` arrays): row `b`
+    reads and writes slot `state_slots[b]`, and a row with no cached tokens starts
+    from zeros whatever its slot holds. Rows that compute nothing may share a
+    scratch slot.
+
     `model(ids, cache=cache)` takes it wherever it takes a `KVCache`.
 
     Attributes:
@@ -74,12 +82,16 @@ class PagedKVCache(eqx.Module):
         values: `[layers, pages, kv_heads, page_size, value_dim]`.
         block_tables: `[batch, pages_per_row]` page ids.
         positions: `[batch]`, tokens already cached per row.
+        state: the pool of recurrent states, or None.
+        state_slots: `[batch]`, each row's slot in `state` (None without one).
     """
 
     keys: Float[Array, "layers pages kv_heads page_size head_dim"]
     values: Float[Array, "layers pages kv_heads page_size value_dim"]
     block_tables: Int[Array, "batch pages_per_row"]
     positions: Int[Array, " batch"]
+    state: eqx.Module | None = None
+    state_slots: Int[Array, " batch"] | None = None
 
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         """The logical axes of each array (for sharding rules); pages are never split.
@@ -88,7 +100,8 @@ class PagedKVCache(eqx.Module):
             Field name -> axis names.
         """
         pool = ("layers", None, "kv_heads", None, "head_dim")
-        return {"keys": pool, "values": pool, "block_tables": ("batch", None), "positions": ("batch",)}
+        return {"keys": pool, "values": pool, "block_tables": ("batch", None), "positions": ("batch",),
+                "state_slots": ("batch",)}
 
     @staticmethod
     def empty_pool(
@@ -142,16 +155,19 @@ class PagedKVCache(eqx.Module):
     def valid(self) -> Bool[Array, "batch kv_seq"]:
         return self.slot_positions >= 0
 
-    def layer(self, index: Int[Array, ""]) -> PagedLayerKV:
+    def layer(self, index: Int[Array, ""], state: eqx.Module | None = None) -> PagedLayerKV:
         """Layer `index`, read in place by the decode kernel.
 
         Args:
             index: the layer (a traced scalar inside the scan).
+            state: the recurrent-state pool as the scan carries it (default: the cache's).
 
         Returns:
             A `PagedLayerKV` view: the whole pools, the block tables and the index.
         """
-        return PagedLayerKV(self.keys, self.values, self.block_tables, index)
+        state = self.state if state is None else state
+        view = None if state is None else StateView(state, index, self.state_slots, self.positions == 0)
+        return PagedLayerKV(self.keys, self.values, self.block_tables, index, view)
 
     def new_positions(self, attention_mask: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
         """Positions of the tokens about to be appended.
@@ -171,6 +187,7 @@ class PagedKVCache(eqx.Module):
         new_keys: Float[Array, "layers batch kv_heads seq head_dim"],
         new_values: Float[Array, "layers batch kv_heads seq value_dim"],
         attention_mask: Int[Array, "batch seq"],
+        new_state: eqx.Module | None = None,
     ) -> "PagedKVCache":
         """Writes each row's real new tokens into its pages (in place when donated).
 
@@ -179,6 +196,8 @@ class PagedKVCache(eqx.Module):
                 (rotated).
             new_values: the matching values.
             attention_mask: `[batch, seq]`, 1 for tokens to store; padding writes nothing.
+            new_state: the recurrent-state pool after these tokens (its rows' slots
+                updated by the layers), or None to leave it as it is.
 
         Returns:
             The updated `PagedKVCache` (a row past its block table's pages raises).
@@ -199,4 +218,6 @@ class PagedKVCache(eqx.Module):
             values=write_pages(self.values, new_values, slots) if self.values.size else self.values,
             block_tables=self.block_tables,
             positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
+            state=self.state if new_state is None else new_state,
+            state_slots=self.state_slots,
         )

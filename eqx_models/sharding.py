@@ -458,13 +458,7 @@ def memory_plan(
     if batch_size and max_length:
         # As `init_cache` makes it: a ring of `sliding_window` slots when every layer slides.
         window = config.sliding_window if config.sliding_layers and all(config.sliding_layers) else None
-        layout = config.cache_layout()
-        cache = jax.eval_shape(
-            lambda: KVCache.empty(
-                config.num_hidden_layers, batch_size, layout.kv_heads, max_length, layout.key_dim,
-                dtype or jnp.float32, window, layout.value_dim,
-            )
-        )
+        cache = jax.eval_shape(lambda: KVCache.for_config(config, batch_size, max_length, dtype or jnp.float32, window))
         plan["cache_bytes"] = total(cache)
         plan["cache_bytes_per_device"] = per_device_bytes(cache, placement)
     plan["per_device_bytes"] = plan["parameter_bytes_per_device"] + plan["cache_bytes_per_device"]

@@ -16,6 +16,7 @@ from eqx_models.kernels import (
     _write_pages_reference,
     _write_reference,
     decode_attention,
+    delta_rule_step,
     gather_pages,
     kernels_status,
     paged_decode_attention,
@@ -242,6 +243,35 @@ def test_write_pages_writes_each_token_to_its_slot_and_skips_padding(dtype):
     np.testing.assert_array_equal(np.asarray(jax.jit(_write_pages_reference)(pool, update, slots)), want)
     with pytest.raises(Exception, match="outside the page pool"):
         jax.block_until_ready(jax.jit(write_pages)(pool, update, np.array([[24, 0, 1], [2, 3, -1]], np.int32)))
+
+
+@pytest.mark.parametrize("batch, heads, key_dim, value_dim", [(1, 1, 8, 12), (3, 4, 16, 16), (2, 32, 128, 128)])
+def test_delta_rule_step_updates_each_rows_slot_in_place_as_float64_does(batch, heads, key_dim, value_dim):
+    rng = np.random.default_rng(batch + heads)
+    layers, slots, members, member, layer = 3, batch + 2, 2, 1, 2
+    pool = rng.standard_normal((layers, slots, members, heads, key_dim, value_dim)).astype(np.float32)
+    row_slots = rng.permutation(slots)[:batch].astype(np.int32)
+    fresh = np.arange(batch) % 2 == 1  # odd rows start from zeros
+    q, k = (rng.standard_normal((batch, heads, key_dim)).astype(np.float32) for _ in range(2))
+    v = rng.standard_normal((batch, heads, value_dim)).astype(np.float32)
+    g = -rng.uniform(0, 2, (batch, heads)).astype(np.float32)
+    beta = rng.uniform(0, 1, (batch, heads)).astype(np.float32)
+    out, new_pool = jax.jit(delta_rule_step, static_argnums=2, donate_argnums=0)(
+        jnp.asarray(pool), jnp.int32(layer), member, row_slots, fresh, q, k, v, g, beta
+    )
+    expected_pool = pool.astype(np.float64)
+    for b in range(batch):
+        s = 0 * expected_pool[layer, row_slots[b], member] if fresh[b] else expected_pool[layer, row_slots[b], member]
+        s = s * np.exp(g[b].astype(np.float64))[:, None, None]
+        delta = (v[b] - np.einsum("hkv,hk->hv", s, k[b])) * beta[b][:, None]
+        s = s + k[b][:, :, None] * delta[:, None, :]
+        expected_pool[layer, row_slots[b], member] = s
+        np.testing.assert_allclose(np.asarray(out)[b], np.einsum("hkv,hk->hv", s, q[b]), atol=2e-5, rtol=1e-5)
+    # Every other slot, member and layer is untouched.
+    np.testing.assert_allclose(np.asarray(new_pool), expected_pool, atol=2e-5, rtol=1e-5)
+    untouched = np.ones(pool.shape[:3], bool)
+    untouched[layer, row_slots, member] = False
+    np.testing.assert_array_equal(np.asarray(new_pool)[untouched], pool[untouched])
 
 
 def test_portable_matvec_loops_equal_the_dot_of_the_slice():

@@ -140,6 +140,17 @@ DEEPSEEK_V3 = dict(
     topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, ep_size=1, num_nextn_predict_layers=1,
     aux_loss_alpha=0.001, seq_aux=True,
 )
+QWEN3_NEXT_80B_A3B = dict(
+    model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
+    intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_hidden_layers=48,
+    num_attention_heads=16, num_key_value_heads=2, head_dim=256, num_experts=512, num_experts_per_tok=10,
+    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], full_attention_interval=4,
+    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+    linear_num_value_heads=32, partial_rotary_factor=0.25, max_position_embeddings=262144, rope_theta=10000000,
+    rope_scaling=None, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, attention_bias=False,
+    hidden_act="silu", output_router_logits=False, router_aux_loss_coef=0.001, bos_token_id=151643,
+    eos_token_id=151645,
+)
 
 # Totals as published on the model cards / safetensors metadata.
 PUBLISHED = {
@@ -167,6 +178,7 @@ PUBLISHED_ROUNDED = {
 # Cards that round to whole billions.
 PUBLISHED_WHOLE_BILLIONS = {
     "DeepSeek-V3": (DEEPSEEK_V3, 671),  # the main model; the card's 685B adds the 14B MTP module
+    "Qwen3-Next-80B-A3B": (QWEN3_NEXT_80B_A3B, 80),  # the card: "80B in total and 3B activated"
 }
 
 
@@ -253,3 +265,18 @@ def test_gpt_oss_20b_active_parameters_per_token():
     # The card counts the unembedding, not the embedding table, as active.
     active = parameter_count(model) - embeddings - expert_params * (32 - 4) // 32
     assert round(active / 1e9, 2) == 3.61
+
+
+def test_qwen3_next_80b_a3b_active_parameters_and_its_fixed_size_state():
+    model = shapes_of(QWEN3_NEXT_80B_A3B)
+    block = model.model.layers
+    experts = [layer.mlp.experts for layer in (*block.linear_layers, block.attention_layer)]
+    expert_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(experts))
+    embeddings = parameter_count(model.model.embed_tokens) + parameter_count(model.lm_head)
+    active = parameter_count(model) - embeddings - expert_params * (512 - 10) // 512
+    assert round(active / 1e9, 2) == 3.25  # "3B activated" on the card, embedding and head aside
+    # 12 attention layers cache keys/values; 36 DeltaNet layers keep 32 heads of a
+    # 128 x 128 float32 state and the convolution's last 3 inputs, whatever the length.
+    state = model.config.recurrent_state(1, jax.numpy.bfloat16)
+    assert model.config.num_blocks == 12 and state.recurrent.shape == (12, 1, 3, 32, 128, 128)
+    assert state.conv.shape == (12, 1, 3, 2 * 16 * 128 + 32 * 128, 3)

@@ -54,6 +54,17 @@ TINY = {
         rope_parameters=dict(rope_type="yarn", factor=8.0, mscale=0.8, mscale_all_dim=0.8, beta_fast=32.0,
                              beta_slow=1.0, original_max_position_embeddings=32, rope_theta=10000.0),
     ),
+    # One block of (DeltaNet, DeltaNet, gated attention); value heads sharing key
+    # heads; experts and the shared expert; a quarter of each attention head rotates.
+    # With random weights the DeltaNet outputs the norm then scales up are small
+    # differences of larger terms, so transformers' own float32 logits are ~1e-4
+    # from its float64 ones with two blocks (2e-5 with one): tests/test_qwen3_next.py
+    # checks two blocks where no float32 reference is involved.
+    "qwen3_next": dict(
+        num_hidden_layers=3, full_attention_interval=3, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=4,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24,
+    ),
 }
 
 

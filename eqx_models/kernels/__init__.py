@@ -14,6 +14,8 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `write_slots(buffer, update, start)`: the cache write of a step, in place for
   every dtype (XLA:CPU widens a bfloat16 update to float32 and rewrites the
   whole buffer); `write_pages(pool, update, slots)` for a paged pool.
+- `delta_rule_step(...)`: one token of the gated delta rule (Gated DeltaNet) per
+  row, updating a pool of recurrent states in place.
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
@@ -43,13 +45,16 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from ..sharding import spans_devices
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc", "cache_write.cc"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc")
+)
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
 WRITE_TARGET = "eqx_models_write_slots"
 PAGED_ATTENTION_TARGET = "eqx_models_paged_decode_attention"
 WRITE_PAGES_TARGET = "eqx_models_write_pages"
+DELTA_RULE_TARGET = "eqx_models_delta_rule_step"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -104,6 +109,7 @@ def _load() -> str | None:
         PAGED_ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxPagedDecodeAttention), platform="cpu"
     )
     jax.ffi.register_ffi_target(WRITE_PAGES_TARGET, jax.ffi.pycapsule(library.EqxWritePages), platform="cpu")
+    jax.ffi.register_ffi_target(DELTA_RULE_TARGET, jax.ffi.pycapsule(library.EqxDeltaRuleStep), platform="cpu")
     return None
 
 
@@ -366,4 +372,45 @@ def write_slots(
         functools.partial(_write_kernel, wrap=wrap),
         functools.partial(_write_reference, wrap=wrap),
         buffer, update.astype(buffer.dtype), start,
+    )
+
+
+def _delta_rule_reference(pool, layer, slots, fresh, q, k, v, g, beta, member):
+    s = jnp.where(fresh[:, None, None, None], 0.0, pool[layer, slots, member])
+    s = s * jnp.exp(g)[..., None, None]
+    delta = (v - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
+    s = s + k[..., :, None] * delta[..., None, :]
+    return jnp.einsum("bhkv,bhk->bhv", s, q), pool.at[layer, slots, member].set(s)
+
+
+def _delta_rule_kernel(pool, layer, slots, fresh, q, k, v, g, beta, member):
+    shapes = (jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(pool.shape, jnp.float32))
+    call = jax.ffi.ffi_call(DELTA_RULE_TARGET, shapes, input_output_aliases={0: 1}, vmap_method="sequential")
+    return tuple(call(pool, layer.astype(jnp.int32).reshape(()), slots.astype(jnp.int32), fresh, q, k, v, g, beta,
+                      member=np.int32(member)))
+
+
+def delta_rule_step(
+    pool: Float[Array, "layers slots members heads key_dim value_dim"],
+    layer: Int[Array, ""],
+    member: int,
+    slots: Int[Array, " batch"],
+    fresh: Bool[Array, " batch"],
+    q: Float[Array, "batch heads key_dim"],
+    k: Float[Array, "batch heads key_dim"],
+    v: Float[Array, "batch heads value_dim"],
+    g: Float[Array, "batch heads"],
+    beta: Float[Array, "batch heads"],
+) -> tuple[Float[Array, "batch heads value_dim"], Float[Array, "layers slots members heads key_dim value_dim"]]:
+    """One token per row of the gated delta rule, on float32 states kept in a pool.
+
+    Row `b` reads and writes `pool[layer, slots[b], member]` (zeros first where
+    `fresh[b]`): `S = exp(g) S`, `S += k (beta (v - S^T k))^T`, and returns
+    `S^T q` with the pool updated (in place when donated or carried: the CPU
+    kernel writes the states where they lie; elsewhere XLA's gather and scatter).
+    """
+    args = (pool, layer, slots, fresh, q, k, v, g, beta)
+    return _dispatch(
+        functools.partial(_delta_rule_kernel, member=member), functools.partial(_delta_rule_reference, member=member),
+        *args,
     )

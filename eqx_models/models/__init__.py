@@ -31,6 +31,7 @@ FAMILIES = (
     "cohere2",
     "gpt_oss",
     "deepseek_v3",
+    "qwen3_next",
 )
 
 

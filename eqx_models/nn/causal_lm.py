@@ -19,10 +19,10 @@ from .linear import Linear
 
 
 @functools.lru_cache(maxsize=32)
-def _placed_cache_maker(shape: tuple, placement: "sharding.Placement"):
-    """A jitted `KVCache.empty(*shape)` whose arrays are made on their shards (one
-    compilation per cache shape and layout)."""
-    make = lambda: KVCache.empty(*shape)
+def _placed_cache_maker(arguments: tuple, placement: "sharding.Placement"):
+    """A jitted `KVCache.for_config(*arguments)` whose arrays are made on their
+    shards (one compilation per cache shape and layout)."""
+    make = lambda: KVCache.for_config(*arguments)
     return jax.jit(make, out_shardings=sharding.shardings(jax.eval_shape(make), placement))
 
 
@@ -224,10 +224,7 @@ class CausalLM(eqx.Module):
             A `KVCache` with keys and values `[layers, batch_size, kv_heads,
             max_length or window, head_dim]`, nothing written.
         """
-        c = self.config
-        layout = c.cache_layout()
-        shape = (c.num_hidden_layers, batch_size, layout.kv_heads, max_length, layout.key_dim,
-                 jnp.dtype(dtype or self.dtype), self.model.ring_window, layout.value_dim)
+        arguments = (self.config, batch_size, max_length, jnp.dtype(dtype or self.dtype), self.model.ring_window)
         if self.placement is None:
-            return KVCache.empty(*shape)
-        return _placed_cache_maker(shape, self.placement)()
+            return KVCache.for_config(*arguments)
+        return _placed_cache_maker(arguments, self.placement)()

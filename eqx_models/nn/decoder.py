@@ -44,7 +44,10 @@ class DecoderLayer(eqx.Module):
     `layer(config, key=key)` (with `mlp=False` it leaves `mlp` as None, for a stack
     that sets a `MixedMLP` after), stacked with `eqx.filter_vmap`, and called as
     `layer(x, inputs, cached)` with the decoder's `LayerInputs` and this layer's
-    cache view, returning the new hidden states and this step's keys/values.
+    cache view, returning the new hidden states and this step's keys/values. A
+    layer with a recurrent state returns a third item: with a cache, the cache's
+    whole state with its own entries updated (`StateView`); without one, its own
+    state after the tokens.
     `attention_for`, `mlp_for` and `norm_for` make the sublayers; a subclass that
     changes only those overrides them.
     """
@@ -88,14 +91,16 @@ class DecoderLayer(eqx.Module):
 
 
 def _stack_layers(layer_cls, config: DecoderConfig, key: PRNGKeyArray):
-    """`config.num_hidden_layers` layers of `layer_cls` stacked along a leading axis.
+    """`config.num_blocks` layers (or blocks of layers) of `layer_cls` stacked along
+    a leading axis.
 
     When only some layers are sparse, each kind of MLP is stacked over its own
-    layers (`MixedMLP`), so neither carries weights for the other's layers.
+    layers (`MixedMLP`), so neither carries weights for the other's layers. A block
+    of several layers arranges its MLPs itself.
     """
-    layer_keys = jax.random.split(key, config.num_hidden_layers)
+    layer_keys = jax.random.split(key, config.num_blocks)
     sparse_layers = config.sparse_layers
-    if not 0 < len(sparse_layers) < config.num_hidden_layers:
+    if config.layers_per_block > 1 or not 0 < len(sparse_layers) < config.num_hidden_layers:
         return eqx.filter_vmap(lambda k: layer_cls(config, key=k))(layer_keys)
     layers = eqx.filter_vmap(lambda k: layer_cls(config, key=k, mlp=False))(layer_keys)
     mixed = MixedMLP(config, sparse_layers, layer_cls.mlp_for, key=jax.random.fold_in(key, 1))
@@ -158,7 +163,10 @@ class Decoder(eqx.Module):
 
     def substack_layers(self) -> dict[str, tuple[int, ...]]:
         """Leaves of `layers` stacked over a subset of the layers: their path under
-        `layers` -> the layer numbers they hold, in order (for the checkpoint names)."""
+        `layers` -> the layer numbers they hold, in order (for the checkpoint names).
+        A block of several layers says which through its own `substack_layers()`."""
+        if hasattr(self.layers, "substack_layers"):
+            return self.layers.substack_layers()
         if isinstance(getattr(self.layers, "mlp", None), MixedMLP):
             return self.layers.mlp.substack_layers("mlp.")
         return {}
@@ -216,14 +224,21 @@ class Decoder(eqx.Module):
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *kinds)
             kind_of = jnp.asarray(self.layer_kinds, jnp.int32)
 
-        def run_layer(h, index):
+        # A cache's recurrent state is carried through the loop: each layer updates
+        # its entries where they lie, and no copy of the whole state is made.
+        carried = None if cache is None else cache.state
+
+        def run_layer(carry, index):
             # Weights and cache enter the loop whole; each layer refers to its slice
             # by index (see `LayerSlice`, `LayerKV`) rather than receiving a copy.
+            h, state = carry
             layer = layer_view(self.layers, index)
-            layer_kv = None if cache is None else cache.layer(index)
+            layer_kv = None if cache is None else cache.layer(index, state)
             inputs = kinds[0] if len(kinds) == 1 else jax.tree.map(lambda a: a[kind_of[index]], stacked)
-            h, new_kv = layer(h, inputs, layer_kv)
-            return sharding.constrain(h, ("batch", None, None)), new_kv
+            h, new = layer(h, inputs, layer_kv)
+            if state is not None:
+                *new, state = new
+            return (sharding.constrain(h, ("batch", None, None)), state), tuple(new)
 
         if self.remat != "none":
             # Inside a scan CSE across iterations is impossible anyway; preventing it
@@ -231,14 +246,16 @@ class Decoder(eqx.Module):
             run_layer = jax.checkpoint(run_layer, policy=REMAT_POLICIES[self.remat], prevent_cse=not self.scan_layers)
         indices = jnp.arange(self.num_layers, dtype=jnp.int32)
         if self.scan_layers:
-            x, (new_keys, new_values) = jax.lax.scan(run_layer, x, indices)
+            (x, carried), new = jax.lax.scan(run_layer, (x, carried), indices)
         else:
             per_layer = []
             for i in range(self.num_layers):
-                x, kv = run_layer(x, indices[i])
-                per_layer.append(kv)
-            new_keys = jnp.stack([k for k, _ in per_layer])
-            new_values = jnp.stack([v for _, v in per_layer])
+                (x, carried), layer_new = run_layer((x, carried), indices[i])
+                per_layer.append(layer_new)
+            new = jax.tree.map(lambda *a: jnp.stack(a), *per_layer)
+        # Keys, values and, where the layers have one, the recurrent state after this
+        # call: carried with a cache, else each layer's own, stacked.
+        new_keys, new_values, new_state = (*new, carried)[:3]
         if cache is None and new_cache_length is not None:
             layers, batch, kv_heads, _, head_dim = new_keys.shape
             cache = KVCache.empty(
@@ -246,5 +263,5 @@ class Decoder(eqx.Module):
                 new_values.shape[-1],
             )
         if cache is not None:
-            cache = cache.append(new_keys, new_values, attention_mask)
+            cache = cache.append(new_keys, new_values, attention_mask, new_state)
         return self.norm(x), cache

@@ -81,6 +81,7 @@ class _Sequence:
     decoder: StreamDecoder
     output_ids: list[int] = dataclasses.field(default_factory=list)
     pages: list[int] = dataclasses.field(default_factory=list)
+    state_slot: int | None = None  # its slot in the recurrent-state pool, while running
     cached: int = 0  # tokens whose keys/values are in `pages`
     text: str = ""  # all output text so far (stop strings cut off)
     sent: int = 0  # characters of `text` already handed out
@@ -175,7 +176,7 @@ class Engine:
         self.pages_per_seq = math.ceil(self.max_model_len / page_size)
         layout = config.cache_layout()
         page_bytes = (
-            config.num_hidden_layers * layout.kv_heads * page_size * (layout.key_dim + layout.value_dim)
+            config.num_blocks * layout.kv_heads * page_size * (layout.key_dim + layout.value_dim)
             * jnp.dtype(model.dtype).itemsize
         )
         if num_pages is not None and kv_cache_memory is not None:
@@ -189,7 +190,13 @@ class Engine:
                     f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each); give more."
                 )
         self.allocator = PageAllocator(num_pages)
-        pool_shape = (config.num_hidden_layers, num_pages, layout.kv_heads, page_size, layout.key_dim)
+        pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
+        # A model with a recurrent state gets one slot per running sequence, and a
+        # scratch slot (the last) for the rows that pad a call.
+        self._state_slots = self._state_slot_count = None
+        if config.recurrent_state(1, model.dtype) is not None:
+            self._state_slot_count = max_num_seqs + 1
+            self._state_slots = list(range(max_num_seqs))
         self.pools = self._empty_pools(pool_shape, model.dtype, layout.value_dim)
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
@@ -214,12 +221,15 @@ class Engine:
             max_num_seqs,
         )
 
-    @staticmethod
-    def _empty_pools(shape: tuple[int, ...], dtype, value_dim: int) -> tuple[jax.Array, jax.Array]:
+    def _empty_pools(self, shape: tuple[int, ...], dtype, value_dim: int) -> tuple:
+        """The key and value pools, and the recurrent-state pool (or None)."""
         # Committed to a device like the step's outputs that replace them: jit keys
         # its compiled code on that too, and would otherwise compile every shape twice.
         pools = PagedKVCache.empty_pool(*shape, dtype=dtype, value_dim=value_dim)
-        return jax.device_put(pools, jax.devices()[0])
+        state = None
+        if self._state_slot_count is not None:
+            state = self.model.config.recurrent_state(self._state_slot_count, dtype)
+        return jax.device_put((*pools, state), jax.devices()[0])
 
     # ----------------------------------------------------------------- requests
 
@@ -351,7 +361,7 @@ class Engine:
                     self._emit(sequence)
                 self.running.clear()
                 self.waiting.clear()
-                if any(pool.is_deleted() for pool in self.pools):  # donated to the call that failed
+                if any(pool.is_deleted() for pool in jax.tree.leaves(self.pools)):  # donated to the failed call
                     self.pools = self._empty_pools(self.pools[0].shape, self.pools[0].dtype, self.pools[1].shape[-1])
 
     # ------------------------------------------------------------------- steps
@@ -443,6 +453,8 @@ class Engine:
             if sequence not in self.running:
                 self.waiting.popleft()
                 self.running.append(sequence)
+                if self._state_slots is not None:
+                    sequence.state_slot = self._state_slots.pop()
             chunks.append((sequence, length))
             budget -= length
         return chunks
@@ -452,6 +464,7 @@ class Engine:
         logger.info("preempting %s (%d tokens) to free %d pages", sequence.id, sequence.num_tokens, len(sequence.pages))
         self.allocator.release(sequence.pages)
         sequence.pages, sequence.cached = [], 0
+        self._release_state_slot(sequence)
         self.running.remove(sequence)
         self.waiting.appendleft(sequence)
 
@@ -459,10 +472,16 @@ class Engine:
         sequence.finish_reason, sequence.stop_reason = reason, stop_reason
         self.allocator.release(sequence.pages)
         sequence.pages = []
+        self._release_state_slot(sequence)
         if sequence in self.running:
             self.running.remove(sequence)
         if sequence in self.waiting:
             self.waiting.remove(sequence)
+
+    def _release_state_slot(self, sequence: _Sequence) -> None:
+        if sequence.state_slot is not None:
+            self._state_slots.append(sequence.state_slot)
+            sequence.state_slot = None
 
     # -------------------------------------------------------------- model calls
 
@@ -472,7 +491,8 @@ class Engine:
         def forward(params, pools, batch, *, sampled: bool, filters: bool, logprobs: bool, all_logits: bool):
             counts["prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
             model = eqx.combine(params, static)
-            cache = PagedKVCache(pools[0], pools[1], batch["tables"], batch["positions"])
+            keys, values, state = pools
+            cache = PagedKVCache(keys, values, batch["tables"], batch["positions"], state, batch["state_slots"])
             logits, cache = model(batch["ids"], cache, batch["mask"], logits_to_keep=None if all_logits else 1)
             last = logits[:, -1]
             tokens = sample_rows(
@@ -484,7 +504,7 @@ class Engine:
                 out["logprob"], out["top_ids"], out["top_logprobs"] = token_logprobs(last, tokens)
             if all_logits:
                 out["prompt"] = token_logprobs(logits, batch["targets"])
-            return (cache.keys, cache.values), out
+            return (cache.keys, cache.values, cache.state), out
 
         return forward
 
@@ -496,6 +516,8 @@ class Engine:
         targets = np.zeros((batch, seq), np.int32)
         tables = np.zeros((batch, width), np.int32)
         positions = np.zeros(batch, np.int32)
+        scratch = (self._state_slot_count or 1) - 1
+        state_slots = np.full(batch, scratch, np.int32)
         seeds, counters = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
         temperature, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
         top_k = np.zeros(batch, np.int32)
@@ -507,11 +529,13 @@ class Engine:
             targets[i, seq - length : seq - length + len(following)] = following
             tables[i, : len(sequence.pages)] = sequence.pages[:width]
             positions[i] = sequence.cached
+            if sequence.state_slot is not None:
+                state_slots[i] = sequence.state_slot
             seeds[i], counters[i] = sequence.seed, len(sequence.output_ids)
             p = sequence.params
             temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
-        return dict(ids=ids, mask=mask, targets=targets, tables=tables, positions=positions, seeds=seeds,
-                    counters=counters, temperature=temperature, top_k=top_k, top_p=top_p)
+        return dict(ids=ids, mask=mask, targets=targets, tables=tables, positions=positions, state_slots=state_slots,
+                    seeds=seeds, counters=counters, temperature=temperature, top_k=top_k, top_p=top_p)
 
     def _call(self, rows, batch, lengths, *, all_logits=False):
         width = min(self.pages_per_seq, _bucket(max(len(s.pages) for s in rows)))
