@@ -140,6 +140,18 @@ DEEPSEEK_V3 = dict(
     topk_method="noaux_tc", scoring_func="sigmoid", moe_layer_freq=1, ep_size=1, num_nextn_predict_layers=1,
     aux_loss_alpha=0.001, seq_aux=True,
 )
+DEEPSEEK_V2_LITE = dict(
+    model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], vocab_size=102400, hidden_size=2048,
+    intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, routed_scaling_factor=1.0, kv_lora_rank=512,
+    q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1,
+    num_experts_per_tok=6, first_k_dense_replace=1, norm_topk_prob=False, max_position_embeddings=163840,
+    rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False, hidden_act="silu", attention_bias=False,
+    rope_scaling=dict(type="yarn", factor=40, beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707,
+                      original_max_position_embeddings=4096),
+    topk_method="greedy", scoring_func="softmax", moe_layer_freq=1, aux_loss_alpha=0.001, seq_aux=True,
+    bos_token_id=100000, eos_token_id=100001,
+)
 QWEN3_NEXT_80B_A3B = dict(
     model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], vocab_size=151936, hidden_size=2048,
     intermediate_size=5120, moe_intermediate_size=512, shared_expert_intermediate_size=512, num_hidden_layers=48,
@@ -244,7 +256,7 @@ def test_every_registered_architecture_has_a_published_config_here():
     from eqx_models import supported_model_types
 
     published = [*PUBLISHED.values(), *PUBLISHED_ROUNDED.values(), *PUBLISHED_WHOLE_BILLIONS.values()]
-    covered = {config["model_type"] for config, *_ in published}
+    covered = {config["model_type"] for config, *_ in published} | {DEEPSEEK_V2_LITE["model_type"]}
     assert set(supported_model_types()) <= covered, sorted(set(supported_model_types()) - covered)
 
 
@@ -280,3 +292,16 @@ def test_qwen3_next_80b_a3b_active_parameters_and_its_fixed_size_state():
     state = model.config.recurrent_state(1, jax.numpy.bfloat16)
     assert model.config.num_blocks == 12 and state.recurrent.shape == (12, 1, 3, 32, 128, 128)
     assert state.conv.shape == (12, 1, 3, 2 * 16 * 128 + 32 * 128, 3)
+
+
+def test_deepseek_v2_lite_total_and_active_parameters():
+    model = shapes_of(DEEPSEEK_V2_LITE)
+    count = parameter_count(model)
+    assert count == transformers_parameter_count(DEEPSEEK_V2_LITE)
+    experts = model.model.layers.mlp.sparse.experts
+    expert_params = sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(experts))
+    # The card: "15.7B total parameters and 2.4B activated" (2.45B: truncated, and,
+    # as gpt-oss's card, counting the unembedding but not the embedding table).
+    active = count - parameter_count(model.model.embed_tokens) - expert_params * (64 - 6) // 64
+    assert round(count / 1e9, 1) == 15.7 and 2.4e9 <= active < 2.5e9
+    assert model.config.cache_layout() == (1, 576, 0)

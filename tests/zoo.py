@@ -54,6 +54,14 @@ TINY = {
         rope_parameters=dict(rope_type="yarn", factor=8.0, mscale=0.8, mscale_all_dim=0.8, beta_fast=32.0,
                              beta_slow=1.0, original_max_position_embeddings=32, rope_theta=10000.0),
     ),
+    # Queries through one q_proj (V2-Lite), a dense first layer, group-limited
+    # softmax routing over four groups, two shared experts.
+    "deepseek_v2": dict(
+        num_hidden_layers=3, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=12, qk_rope_head_dim=8,
+        v_head_dim=10, n_routed_experts=8, n_group=4, topk_group=2, topk_method="group_limited_greedy",
+        num_experts_per_tok=2, moe_intermediate_size=16, first_k_dense_replace=1, n_shared_experts=2,
+        routed_scaling_factor=1.5, num_key_value_heads=4,
+    ),
     # One block of (DeltaNet, DeltaNet, gated attention); value heads sharing key
     # heads; experts and the shared expert; a quarter of each attention head rotates.
     # With random weights the DeltaNet outputs the norm then scales up are small

@@ -30,6 +30,7 @@ FAMILIES = (
     "exaone4",
     "cohere2",
     "gpt_oss",
+    "deepseek_v2",
     "deepseek_v3",
     "qwen3_next",
 )

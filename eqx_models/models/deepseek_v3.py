@@ -53,6 +53,8 @@ from . import Architecture
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 ROUTING_FIELDS = ("n_shared_experts", "routed_scaling_factor", "n_group", "topk_group")
+# transformers builds the latent norms with its RMSNorm's default, not `rms_norm_eps`.
+LATENT_NORM_EPS = 1e-6
 # Read here; derived; training-only; or describing the multi-token-prediction layers, which are not run.
 DEEPSEEK_KEYS = frozenset({
     *MLA_FIELDS, *ROUTING_FIELDS, "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size",
@@ -145,12 +147,12 @@ class MultiHeadLatentAttention(eqx.Module):
         else:
             self.q_proj = None
             self.q_a_proj = Linear(hidden, config.q_lora_rank, axes=(None, "embed"), use_bias=bias, key=k_q)
-            self.q_a_layernorm = RMSNorm(config.q_lora_rank, config.rms_norm_eps, axis=None)
+            self.q_a_layernorm = RMSNorm(config.q_lora_rank, LATENT_NORM_EPS, axis=None)
             self.q_b_proj = Linear(config.q_lora_rank, heads * qk_dim, axes=("heads", None), key=k_q_b)
         self.kv_a_proj_with_mqa = Linear(
             hidden, rank + config.qk_rope_head_dim, axes=(None, "embed"), use_bias=bias, key=k_kv_a
         )
-        self.kv_a_layernorm = RMSNorm(rank, config.rms_norm_eps, axis=None)
+        self.kv_a_layernorm = RMSNorm(rank, LATENT_NORM_EPS, axis=None)
         self.kv_b_proj = Linear(
             rank, heads * (config.qk_nope_head_dim + config.v_head_dim), axes=("heads", None), key=k_kv_b
         )
@@ -264,26 +266,21 @@ def _refuse(hf: Mapping[str, Any], key: str, expected) -> None:
         raise ConfigError(f"DeepSeek-V3 {key}={hf[key]!r} is not supported; this library implements {expected!r}.")
 
 
-def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
-    _refuse(hf, "scoring_func", "sigmoid")
-    _refuse(hf, "topk_method", "noaux_tc")
-    _refuse(hf, "moe_layer_freq", 1)
-    experts, groups = int(hf["n_routed_experts"]), int(hf.get("n_group") or 1)
-    if experts % groups or experts // groups < 2:
-        raise ConfigError(f"n_routed_experts={experts} must split into n_group={groups} groups of at least two.")
+def mla_config_from_hf(hf: Mapping[str, Any], config_class: type, **fields: Any) -> DeepseekV3Config:
+    """The `config_class` (a `DeepseekV3Config`) of a DeepSeek config's MLA, expert
+    and routing fields; `fields` add the family's own."""
     first_dense = int(hf.get("first_k_dense_replace") or 0)
     q_rank = hf.get("q_lora_rank")
     return decoder_config_from_hf(
         hf,
         use_qk_norm=False,
         extra_ignored=DEEPSEEK_KEYS,
-        config_class=DeepseekV3Config,
+        config_class=config_class,
         head_dim=int(hf["qk_rope_head_dim"]),
         o_proj_bias=bool(hf.get("attention_bias", False)),
-        num_experts=experts,
+        num_experts=int(hf["n_routed_experts"]),
         num_experts_per_tok=int(hf["num_experts_per_tok"]),
         moe_intermediate_size=int(hf["moe_intermediate_size"]),
-        norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
         mlp_only_layers=tuple(range(min(first_dense, hf["num_hidden_layers"]))),
         q_lora_rank=None if q_rank is None else int(q_rank),
         kv_lora_rank=int(hf["kv_lora_rank"]),
@@ -292,13 +289,14 @@ def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
         v_head_dim=int(hf["v_head_dim"]),
         n_shared_experts=int(hf.get("n_shared_experts") or 0),
         routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-        n_group=groups,
+        n_group=int(hf.get("n_group") or 1),
         topk_group=int(hf.get("topk_group") or 1),
-        rope_interleave=bool(hf.get("rope_interleave", True)),
+        **fields,
     )
 
 
-def config_to_hf(config: DeepseekV3Config) -> dict[str, Any]:
+def mla_config_to_hf(config: DeepseekV3Config) -> dict[str, Any]:
+    """The HF fields `mla_config_from_hf` reads."""
     hf = decoder_config_to_hf(config)
     hf.update({name: getattr(config, name) for name in MLA_FIELDS + ROUTING_FIELDS})
     hf.update(
@@ -307,9 +305,26 @@ def config_to_hf(config: DeepseekV3Config) -> dict[str, Any]:
         moe_intermediate_size=config.moe_intermediate_size,
         first_k_dense_replace=len(config.mlp_only_layers),
         norm_topk_prob=config.norm_topk_prob,
-        rope_interleave=config.rope_interleave,
-        num_nextn_predict_layers=0,
     )
+    return hf
+
+
+def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV3Config:
+    _refuse(hf, "scoring_func", "sigmoid")
+    _refuse(hf, "topk_method", "noaux_tc")
+    _refuse(hf, "moe_layer_freq", 1)
+    experts, groups = int(hf["n_routed_experts"]), int(hf.get("n_group") or 1)
+    if experts % groups or experts // groups < 2:
+        raise ConfigError(f"n_routed_experts={experts} must split into n_group={groups} groups of at least two.")
+    return mla_config_from_hf(
+        hf, DeepseekV3Config, norm_topk_prob=bool(hf.get("norm_topk_prob", True)),
+        rope_interleave=bool(hf.get("rope_interleave", True)),
+    )
+
+
+def config_to_hf(config: DeepseekV3Config) -> dict[str, Any]:
+    hf = mla_config_to_hf(config)
+    hf.update(rope_interleave=config.rope_interleave, num_nextn_predict_layers=0)
     return hf
 
 
