@@ -267,6 +267,32 @@ def test_gated_deltanet_decode_updates_its_state_in_place():
     assert not any("8,128,128" in line and ("copy(" in line or "gather(" in line) for line in hlo.splitlines())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_latent_attention_decode_reads_its_expansions_and_cache_in_place(dtype):
+    # DeepSeek-V2/V3: the absorbed key and value expansions come from the stacked
+    # kv_b_proj read in place (a slice of it for XLA's einsum is 8 MB here, per layer
+    # and step), and the compressed cache from the decode kernel.
+    from eqx_models.models import architecture_for
+    from eqx_models.nn.causal_lm import CausalLM
+
+    hf = dict(
+        model_type="deepseek_v2", vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256,
+        num_hidden_layers=4, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=1, n_routed_experts=8,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+        num_experts_per_tok=2, first_k_dense_replace=1, max_position_embeddings=4096, topk_method="greedy",
+    )
+    model = CausalLM(architecture_for(hf).config_from_hf(hf), key=jax.random.key(0))
+    model = jax.tree.map(lambda a: a.astype(dtype) if eqx.is_inexact_array(a) else a, model)
+    state = DecodeState(model.init_cache(1, 2048), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
+    compiled = _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
+    cache_layer_bytes = (state.cache.keys.nbytes + state.cache.values.nbytes) // 4
+    expansion_bytes = model.model.layers.self_attn.kv_b_proj.weight.nbytes // 4
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < cache_layer_bytes / 8 and temp < expansion_bytes / 8, (temp, cache_layer_bytes, expansion_bytes)
+    hlo = compiled.as_text()
+    assert "eqx_models_headwise_matvec" in hlo and "eqx_models_decode_attention" in hlo
+
+
 def test_prefill_into_a_new_cache_equals_prefill_into_an_empty_one(model):
     ids = random_ids((2, 10), seed=6)
     mask = np.ones((2, 10), np.int32)

@@ -18,6 +18,7 @@ from eqx_models.kernels import (
     decode_attention,
     delta_rule_step,
     gather_pages,
+    headwise_matvec,
     kernels_status,
     paged_decode_attention,
     stacked_matvec,
@@ -272,6 +273,23 @@ def test_delta_rule_step_updates_each_rows_slot_in_place_as_float64_does(batch, 
     untouched = np.ones(pool.shape[:3], bool)
     untouched[layer, row_slots, member] = False
     np.testing.assert_array_equal(np.asarray(new_pool)[untouched], pool[untouched])
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("batch, heads, row_start, rows", [(1, 1, 0, 5), (3, 4, 7, 9), (2, 16, 128, 128)])
+def test_headwise_matvec_reads_each_heads_rows_of_one_layer(dtype, transpose, batch, heads, row_start, rows):
+    rng = np.random.default_rng(heads + rows)
+    layers, per_head, width, layer = 3, row_start + rows + 2, 24 if heads < 16 else 512, 1
+    stack = jnp.asarray(rng.standard_normal((layers, heads * per_head, width)), dtype)
+    x = rng.standard_normal((batch, heads, rows if transpose else width)).astype(np.float32)
+    out = jax.jit(headwise_matvec, static_argnames=("heads", "row_start", "rows", "transpose"))(
+        x, stack, jnp.int32(layer), heads=heads, row_start=row_start, rows=rows, transpose=transpose
+    )
+    weight = np.asarray(stack.astype(jnp.float32), np.float64)[layer].reshape(heads, per_head, width)
+    weight = weight[:, row_start : row_start + rows]
+    expected = np.einsum("bho,hoi->bhi" if transpose else "bhi,hoi->bho", x.astype(np.float64), weight)
+    np.testing.assert_allclose(np.asarray(out), expected, atol=1e-4, rtol=1e-5)
 
 
 def test_portable_matvec_loops_equal_the_dot_of_the_slice():

@@ -16,6 +16,8 @@ step otherwise moves each layer's weights and cache slice two or three times.
   whole buffer); `write_pages(pool, update, slots)` for a paged pool.
 - `delta_rule_step(...)`: one token of the gated delta rule (Gated DeltaNet) per
   row, updating a pool of recurrent states in place.
+- `headwise_matvec(...)`: per-head products with a layer's rows of a stacked
+  weight (Multi-head Latent Attention's absorbed expansions at decode).
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
@@ -46,7 +48,8 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 from ..sharding import spans_devices
 
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc")
+    Path(__file__).with_name(name)
+    for name in ("matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc")
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
@@ -55,6 +58,7 @@ WRITE_TARGET = "eqx_models_write_slots"
 PAGED_ATTENTION_TARGET = "eqx_models_paged_decode_attention"
 WRITE_PAGES_TARGET = "eqx_models_write_pages"
 DELTA_RULE_TARGET = "eqx_models_delta_rule_step"
+HEADWISE_TARGET = "eqx_models_headwise_matvec"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -110,6 +114,7 @@ def _load() -> str | None:
     )
     jax.ffi.register_ffi_target(WRITE_PAGES_TARGET, jax.ffi.pycapsule(library.EqxWritePages), platform="cpu")
     jax.ffi.register_ffi_target(DELTA_RULE_TARGET, jax.ffi.pycapsule(library.EqxDeltaRuleStep), platform="cpu")
+    jax.ffi.register_ffi_target(HEADWISE_TARGET, jax.ffi.pycapsule(library.EqxHeadwiseMatvec), platform="cpu")
     return None
 
 
@@ -414,3 +419,64 @@ def delta_rule_step(
         functools.partial(_delta_rule_kernel, member=member), functools.partial(_delta_rule_reference, member=member),
         *args,
     )
+
+
+def _head_rows(stack: Array, layer: Array, heads: int, row_start: int, rows: int) -> Array:
+    per_head = stack.shape[1] // heads
+    weight = _slice(stack, layer).reshape(heads, per_head, stack.shape[2])
+    return weight[:, row_start : row_start + rows]
+
+
+def _headwise_reference(x, stack, layer, heads, row_start, rows, transpose):
+    weight = _head_rows(stack, layer, heads, row_start, rows)
+    return jnp.einsum("bho,hoi->bhi" if transpose else "bhi,hoi->bho", x, weight)
+
+
+def _headwise_kernel(x, stack, layer, heads, row_start, rows, transpose):
+    width = stack.shape[2] if transpose else rows
+    call = jax.ffi.ffi_call(HEADWISE_TARGET, jax.ShapeDtypeStruct((*x.shape[:2], width), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, stack, layer.astype(jnp.int32).reshape(()), heads=np.int32(heads), row_start=np.int32(row_start),
+                rows=np.int32(rows), transpose=np.int32(transpose))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4, 5, 6))
+def _headwise(x, stack, layer, heads, row_start, rows, transpose):
+    kernel = functools.partial(_headwise_kernel, heads=heads, row_start=row_start, rows=rows, transpose=transpose)
+    reference = functools.partial(
+        _headwise_reference, heads=heads, row_start=row_start, rows=rows, transpose=transpose
+    )
+    return _dispatch(kernel, reference, x, stack, layer)
+
+
+@_headwise.defjvp
+def _headwise_jvp(heads, row_start, rows, transpose, primals, tangents):
+    x, stack, layer = primals
+    x_dot, stack_dot, _ = tangents
+    out = _headwise(x, stack, layer, heads, row_start, rows, transpose)
+    out_dot = _headwise_reference(x_dot, stack, layer, heads, row_start, rows, transpose) + _headwise_reference(
+        x, stack_dot, layer, heads, row_start, rows, transpose
+    )
+    return out, out_dot
+
+
+def headwise_matvec(
+    x: Float[Array, "batch heads n"],
+    stack: Float[Array, "layers heads_rows width"],
+    layer: Int[Array, ""],
+    *,
+    heads: int,
+    row_start: int,
+    rows: int,
+    transpose: bool,
+) -> Float[Array, "batch heads m"]:
+    """Per-head products with rows `[row_start, row_start + rows)` of each head's
+    group in `stack[layer]` (`[heads * per_head, width]`), float32.
+
+    `transpose=False`: `out[b, h] = W_h @ x[b, h]` (`x` has `width` channels, the
+    output `rows`); `transpose=True`: `out[b, h] = x[b, h] @ W_h` (`x` has `rows`,
+    the output `width`). On the CPU with the kernels built the layer's rows are read
+    in place; elsewhere the XLA `einsum` of the slice. Differentiable (the
+    derivative uses the XLA form).
+    """
+    return _headwise(x.astype(jnp.float32), stack, layer, heads, row_start, rows, bool(transpose))

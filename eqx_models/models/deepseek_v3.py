@@ -44,7 +44,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..config import CacheLayout, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..nn.attention import LayerInputs, attend
 from ..nn.decoder import DecoderLayer
-from ..nn.linear import INIT_STD, LayerSlice, Linear
+from ..kernels import headwise_matvec
+from ..nn.linear import INIT_STD, LayerSlice, Linear, use_matvec_kernel
 from ..nn.mlp import GatedMLP
 from ..nn.moe import SparseMoeBlock, dense_mlp
 from ..nn.norm import RMSNorm
@@ -180,13 +181,22 @@ class MultiHeadLatentAttention(eqx.Module):
         latent = self.kv_a_layernorm(compressed[..., :rank])[:, None]  # [batch, 1, seq, rank]
         q_rope = self.rotate(q[..., nope:].transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
         k_rope = self.rotate(compressed[:, None, :, rank:], inputs.cos, inputs.sin)
-        expansion = _whole(self.kv_b_proj.weight).reshape(heads, nope + self.value_dim, rank)
-        key_expansion, value_expansion = expansion[:, :nope], expansion[:, nope:]
-        q_latent = jnp.einsum("bshn,hnr->bhsr", q[..., :nope], key_expansion.astype(q.dtype))
-        query = jnp.concatenate([q_latent, q_rope], axis=-1)
+        weight = self.kv_b_proj.weight
+        if seq == 1 and cached is not None and isinstance(weight, LayerSlice) and use_matvec_kernel(x[:, 0], weight):
+            # Decode: the expansions are read where they lie in the stacked weight.
+            expand = lambda t, start, rows, transpose: headwise_matvec(
+                t, weight.stack, weight.index, heads=heads, row_start=start, rows=rows, transpose=transpose
+            )
+            key_expand = lambda t: expand(t[:, 0], 0, nope, True)[:, :, None].astype(q.dtype)
+            value_expand = lambda t: expand(t[:, 0], nope, self.value_dim, False)[:, None].astype(t.dtype)
+        else:
+            expansion = _whole(weight).reshape(heads, nope + self.value_dim, rank)
+            key_expand = lambda t: jnp.einsum("bshn,hnr->bhsr", t, expansion[:, :nope].astype(t.dtype))
+            value_expand = lambda t: jnp.einsum("bshr,hvr->bshv", t, expansion[:, nope:].astype(t.dtype))
+        query = jnp.concatenate([key_expand(q[..., :nope]), q_rope], axis=-1)
         new_keys = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)
         out = attend(query, new_keys, latent, inputs, cached, scale=self.scale)  # [batch, seq, heads, rank]
-        out = jnp.einsum("bshr,hvr->bshv", out, value_expansion.astype(out.dtype))
+        out = value_expand(out)
         return self.o_proj(out.reshape(batch, seq, heads * self.value_dim)), (new_keys, latent[..., :0])
 
 
