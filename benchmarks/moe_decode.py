@@ -22,7 +22,7 @@ import torch
 import eqx_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import RESULTS, measure, prepare_ours, prepare_transformers  # noqa: E402
+from decode import RESULTS, bandwidth_probes, measure, prepare_ours, prepare_transformers  # noqa: E402
 
 SHAPE = dict(
     vocab_size=32000,
@@ -52,6 +52,7 @@ def main():
 
     results = {"benchmark": "moe_decode", "shape": {**SHAPE, "num_hidden_layers": args.layers}, "runs": []}
     prompt = np.random.default_rng(0).integers(0, SHAPE["vocab_size"], (1, args.prompt_length))
+    probes = bandwidth_probes()
     for experts in args.experts:
         config = AutoConfig.for_model("qwen3_moe", **SHAPE, num_hidden_layers=args.layers, num_experts=experts)
         with tempfile.TemporaryDirectory() as folder:
@@ -62,7 +63,7 @@ def main():
         expert_bytes = sum(
             leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(model)[0] if "experts" in jax.tree_util.keystr(path)
         )
-        timed = measure(
+        timed, _ = measure(
             {
                 "eqx_models": prepare_ours(model, prompt, args.new_tokens),
                 "transformers": (*prepare_transformers(reference, prompt), {}),
@@ -70,6 +71,7 @@ def main():
             1,
             args.prompt_length,
             args.new_tokens,
+            probes,
         )
         run = {
             "num_experts": experts,
