@@ -98,7 +98,8 @@ class Qwen3NextConfig(DecoderConfig):
     @property
     def conv_dim(self) -> int:
         """Channels of the convolution: every head's query and key, then the values."""
-        return 2 * self.linear_num_key_heads * self.linear_key_head_dim + self.linear_num_value_heads * self.linear_value_head_dim
+        keys = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * keys + self.linear_num_value_heads * self.linear_value_head_dim
 
     def recurrent_state(self, batch_size: int, dtype) -> "DeltaNetState":
         members = self.full_attention_interval - 1
