@@ -90,7 +90,9 @@ def config_from_hf(hf: Mapping[str, Any]) -> DeepseekV2Config:
     _refuse(hf, "moe_layer_freq", 1)
     method = hf.get("topk_method") or "greedy"
     if method not in TOPK_METHODS:
-        raise ConfigError(f"DeepSeek-V2 topk_method={method!r} is not supported; this library implements {TOPK_METHODS}.")
+        raise ConfigError(
+            f"DeepSeek-V2 topk_method={method!r} is not supported; this library implements {TOPK_METHODS}."
+        )
     experts, groups = int(hf["n_routed_experts"]), int(hf.get("n_group") or 1)
     if method == "group_limited_greedy" and experts % groups:
         raise ConfigError(f"n_routed_experts={experts} must split into n_group={groups} equal groups.")
