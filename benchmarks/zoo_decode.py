@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -99,6 +100,23 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--output", type=Path, default=RESULTS / "zoo_decode.json")
     args = parser.parse_args()
+
+    if len(args.models) > 1:
+        # One process per model: freed arrays and torch's allocator do not give two
+        # models' memory back to the system in time for the next.
+        merged = None
+        with tempfile.TemporaryDirectory() as scratch:
+            for name in args.models:
+                part = Path(scratch) / f"{name}.json"
+                command = [sys.executable, __file__, "--models", name, "--prompt-length", str(args.prompt_length),
+                           "--new-tokens", str(args.new_tokens), "--output", str(part)]
+                subprocess.run(command, check=True)
+                run = json.loads(part.read_text())
+                merged = run if merged is None else {**merged, "runs": merged["runs"] + run["runs"]}
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(merged, indent=2) + "\n")
+        print(f"wrote {args.output}")
+        return
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
