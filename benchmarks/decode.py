@@ -125,7 +125,7 @@ def prepare_transformers(model, prompt: np.ndarray):
 
     @torch.inference_mode()
     def prefill():
-        current["cache"] = DynamicCache()
+        current["cache"] = DynamicCache(config=model.config)  # a hybrid model's layers need it
         out = model(ids, past_key_values=current["cache"], use_cache=True, logits_to_keep=1)
         current["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
 

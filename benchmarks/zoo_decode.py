@@ -32,7 +32,7 @@ import torch
 import eqx_models
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from decode import RESULTS, bandwidth_probes, measure, prepare_ours  # noqa: E402
+from decode import RESULTS, bandwidth_probes, measure, prepare_ours, prepare_transformers  # noqa: E402
 
 SHAPES = {
     "deepseek_v2_lite": dict(
@@ -54,28 +54,6 @@ SHAPES = {
         max_position_embeddings=262144, rope_theta=10000000, rms_norm_eps=1e-6, tie_word_embeddings=False,
     ),
 }
-
-
-def prepare_transformers(model, prompt: np.ndarray):
-    """Prefill and greedy decode steps of a `transformers` model with its own cache
-    (a hybrid model's cache needs its config)."""
-    from transformers import DynamicCache
-
-    ids = torch.tensor(prompt)
-    current = {}
-
-    @torch.inference_mode()
-    def prefill():
-        current["cache"] = DynamicCache(config=model.config)
-        out = model(ids, past_key_values=current["cache"], use_cache=True, logits_to_keep=1)
-        current["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
-
-    @torch.inference_mode()
-    def step():
-        out = model(current["token"], past_key_values=current["cache"], use_cache=True)
-        current["token"] = out.logits[:, -1].argmax(-1, keepdim=True)
-
-    return prefill, step
 
 
 def decode_read_bytes(model) -> int:

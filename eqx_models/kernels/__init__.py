@@ -380,12 +380,26 @@ def write_slots(
     )
 
 
+def delta_rule_token(
+    state: Float[Array, "batch heads key_dim value_dim"],
+    q: Float[Array, "batch heads key_dim"],
+    k: Float[Array, "batch heads key_dim"],
+    v: Float[Array, "batch heads value_dim"],
+    g: Float[Array, "batch heads"],
+    beta: Float[Array, "batch heads"],
+) -> tuple[Float[Array, "batch heads key_dim value_dim"], Float[Array, "batch heads value_dim"]]:
+    """One token of the gated delta rule in XLA (what `delta_rule_step` computes):
+    `S = exp(g) S`, `S += k (beta (v - S^T k))^T`; returns the new `S` and `S^T q`."""
+    state = state * jnp.exp(g)[..., None, None]
+    delta = (v - jnp.einsum("bhkv,bhk->bhv", state, k)) * beta[..., None]
+    state = state + k[..., :, None] * delta[..., None, :]
+    return state, jnp.einsum("bhkv,bhk->bhv", state, q)
+
+
 def _delta_rule_reference(pool, layer, slots, fresh, q, k, v, g, beta, member):
     s = jnp.where(fresh[:, None, None, None], 0.0, pool[layer, slots, member])
-    s = s * jnp.exp(g)[..., None, None]
-    delta = (v - jnp.einsum("bhkv,bhk->bhv", s, k)) * beta[..., None]
-    s = s + k[..., :, None] * delta[..., None, :]
-    return jnp.einsum("bhkv,bhk->bhv", s, q), pool.at[layer, slots, member].set(s)
+    s, out = delta_rule_token(s, q, k, v, g, beta)
+    return out, pool.at[layer, slots, member].set(s)
 
 
 def _delta_rule_kernel(pool, layer, slots, fresh, q, k, v, g, beta, member):

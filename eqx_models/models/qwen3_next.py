@@ -45,7 +45,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..cache import StateView
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from ..kernels import delta_rule_step
+from ..kernels import delta_rule_step, delta_rule_token
 from ..nn.attention import Attention, LayerInputs
 from ..nn.decoder import DecoderLayer
 from ..nn.linear import Linear, project_together
@@ -188,15 +188,8 @@ def gated_delta_rule(
     """The gated delta rule token by token (float32): returns each token's read of
     the state and the state after the last token. `decay` is `g` (log space)."""
 
-    def step(s, token):
-        q_t, k_t, v_t, g_t, beta_t = token
-        s = s * jnp.exp(g_t)[..., None, None]
-        predicted = jnp.einsum("bhkv,bhk->bhv", s, k_t)
-        s = s + k_t[..., :, None] * ((v_t - predicted) * beta_t[..., None])[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
-
     time_major = [a.swapaxes(0, 1) for a in (q, k, v, decay, beta)]
-    state, out = jax.lax.scan(step, state, time_major)
+    state, out = jax.lax.scan(lambda s, token: delta_rule_token(s, *token), state, time_major)
     return out.swapaxes(0, 1), state
 
 

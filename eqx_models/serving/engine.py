@@ -192,11 +192,10 @@ class Engine:
         self.allocator = PageAllocator(num_pages)
         pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
         # A model with a recurrent state gets one slot per running sequence, and a
-        # scratch slot (the last) for the rows that pad a call.
-        self._state_slots = self._state_slot_count = None
-        if config.recurrent_state(1, model.dtype) is not None:
-            self._state_slot_count = max_num_seqs + 1
-            self._state_slots = list(range(max_num_seqs))
+        # scratch slot (number max_num_seqs) for the rows that pad a call. Its shape
+        # only: the state itself is made once, with the pools.
+        has_state = jax.eval_shape(lambda: config.recurrent_state(1, model.dtype)) is not None
+        self._state_slots = list(range(max_num_seqs)) if has_state else None
         self.pools = self._empty_pools(pool_shape, model.dtype, layout.value_dim)
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
@@ -227,8 +226,8 @@ class Engine:
         # its compiled code on that too, and would otherwise compile every shape twice.
         pools = PagedKVCache.empty_pool(*shape, dtype=dtype, value_dim=value_dim)
         state = None
-        if self._state_slot_count is not None:
-            state = self.model.config.recurrent_state(self._state_slot_count, dtype)
+        if self._state_slots is not None:
+            state = self.model.config.recurrent_state(self.max_num_seqs + 1, dtype)
         return jax.device_put((*pools, state), jax.devices()[0])
 
     # ----------------------------------------------------------------- requests
@@ -516,8 +515,7 @@ class Engine:
         targets = np.zeros((batch, seq), np.int32)
         tables = np.zeros((batch, width), np.int32)
         positions = np.zeros(batch, np.int32)
-        scratch = (self._state_slot_count or 1) - 1
-        state_slots = np.full(batch, scratch, np.int32)
+        state_slots = np.full(batch, self.max_num_seqs, np.int32)  # the scratch slot
         seeds, counters = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
         temperature, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
         top_k = np.zeros(batch, np.int32)
