@@ -141,3 +141,22 @@ def test_layer_patterns_other_than_the_released_one_are_refused():
                          "linear_attention", "full_attention"]
     with pytest.raises(ConfigError, match="layer_types"):
         architecture_for(hf).config_from_hf(hf)
+
+
+def test_the_engines_memory_budget_holds_the_recurrent_state_pool(checkpoint):
+    from conftest import STORIES, require_fixture
+    from eqx_models.serving import Engine
+
+    model = checkpoint[2]
+    tokenizer = eqx_models.load_tokenizer(require_fixture(STORIES))
+    state = model.config.recurrent_state(4 + 1, model.dtype)  # 4 sequences and the scratch slot
+    state_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(state))
+    layout = model.config.cache_layout()
+    page_bytes = model.config.num_blocks * layout.kv_heads * 4 * (layout.key_dim + layout.value_dim) * 4
+    budget = state_bytes + 3 * page_bytes + page_bytes // 2
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, kv_cache_memory=budget)
+    assert engine.allocator.num_pages == 3
+    held = sum(leaf.nbytes for leaf in jax.tree.leaves(engine.pools))
+    assert held == state_bytes + 3 * page_bytes <= budget
+    with pytest.raises(ValueError, match="holds no page .* after the recurrent state of 4 \\+ 1 sequences"):
+        Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, kv_cache_memory=state_bytes)

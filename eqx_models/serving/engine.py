@@ -132,9 +132,11 @@ class Engine:
         max_num_batched_tokens: most tokens one step computes (prompt chunks plus
             one per decoding sequence); longer prompts are prefilled in chunks.
         page_size: tokens per KV page.
-        num_pages: pages in the pool; or give `kv_cache_memory` (bytes) instead.
-            Default: a pool of `DEFAULT_KV_CACHE_BYTES`, or less if that is more
-            than `max_num_seqs` full-length sequences need.
+        num_pages: pages in the pool; or give `kv_cache_memory` (bytes) instead,
+            which also holds a hybrid model's recurrent-state pool (one state per
+            running sequence, plus one). Default: a pool of
+            `DEFAULT_KV_CACHE_BYTES`, or less if that is more than `max_num_seqs`
+            full-length sequences need.
         seed: seeds the requests that do not bring their own.
     """
 
@@ -179,23 +181,28 @@ class Engine:
             config.num_blocks * layout.kv_heads * page_size * (layout.key_dim + layout.value_dim)
             * jnp.dtype(model.dtype).itemsize
         )
-        if num_pages is not None and kv_cache_memory is not None:
-            raise ValueError("Give num_pages or kv_cache_memory, not both.")
-        if num_pages is None:
-            if kv_cache_memory is None:
-                kv_cache_memory = min(DEFAULT_KV_CACHE_BYTES, max_num_seqs * self.pages_per_seq * page_bytes)
-            num_pages = int(kv_cache_memory // page_bytes)
-            if num_pages < 1:
-                raise ValueError(
-                    f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each); give more."
-                )
-        self.allocator = PageAllocator(num_pages)
-        pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
         # A model with a recurrent state gets one slot per running sequence, and a
         # scratch slot (number max_num_seqs) for the rows that pad a call. Its shape
         # only: the state itself is made once, with the pools.
-        has_state = jax.eval_shape(lambda: config.recurrent_state(1, model.dtype)) is not None
-        self._state_slots = list(range(max_num_seqs)) if has_state else None
+        state_shape = jax.eval_shape(lambda: config.recurrent_state(max_num_seqs + 1, model.dtype))
+        self._state_slots = list(range(max_num_seqs)) if state_shape is not None else None
+        state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state_shape))
+        if num_pages is not None and kv_cache_memory is not None:
+            raise ValueError("Give num_pages or kv_cache_memory, not both.")
+        if num_pages is None:
+            # The budget holds the pages and the recurrent-state pool together.
+            if kv_cache_memory is None:
+                kv_cache_memory = min(DEFAULT_KV_CACHE_BYTES, max_num_seqs * self.pages_per_seq * page_bytes)
+                kv_cache_memory += state_bytes
+            num_pages = int((kv_cache_memory - state_bytes) // page_bytes)
+            if num_pages < 1:
+                state = f" after the recurrent state of {max_num_seqs} + 1 sequences ({state_bytes} bytes)"
+                raise ValueError(
+                    f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each)"
+                    f"{state if state_bytes else ''}; give more{' or lower max_num_seqs' if state_bytes else ''}."
+                )
+        self.allocator = PageAllocator(num_pages)
+        pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
         self.pools = self._empty_pools(pool_shape, model.dtype, layout.value_dim)
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
@@ -215,9 +222,10 @@ class Engine:
             static_argnames=("sampled", "filters", "logprobs", "all_logits"),
         )
         logger.info(
-            "KV cache: %d pages of %d tokens (%.1f MB), %d tokens in all; max_model_len %d, max_num_seqs %d",
-            num_pages, page_size, num_pages * page_bytes / 1e6, num_pages * page_size, self.max_model_len,
-            max_num_seqs,
+            "KV cache: %d pages of %d tokens (%.1f MB), %d tokens in all; recurrent state %.1f MB; "
+            "max_model_len %d, max_num_seqs %d",
+            num_pages, page_size, num_pages * page_bytes / 1e6, num_pages * page_size, state_bytes / 1e6,
+            self.max_model_len, max_num_seqs,
         )
 
     def _empty_pools(self, shape: tuple[int, ...], dtype, value_dim: int) -> tuple:
