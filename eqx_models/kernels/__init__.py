@@ -18,6 +18,8 @@ step otherwise moves each layer's weights and cache slice two or three times.
   row, updating a pool of recurrent states in place.
 - `headwise_matvec(...)`: per-head products with a layer's rows of a stacked
   weight (Multi-head Latent Attention's absorbed expansions at decode).
+- `quantized_matvecs(x, stacks, layer)`: `stacked_matvecs` for group-quantized
+  int8 / int4 weights, widened in registers (no float copy of any weight).
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
@@ -45,11 +47,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
+from ..quantization import dequantize
 from ..sharding import spans_devices
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc")
+    for name in ("matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc")
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
@@ -59,6 +62,7 @@ PAGED_ATTENTION_TARGET = "eqx_models_paged_decode_attention"
 WRITE_PAGES_TARGET = "eqx_models_write_pages"
 DELTA_RULE_TARGET = "eqx_models_delta_rule_step"
 HEADWISE_TARGET = "eqx_models_headwise_matvec"
+QUANTIZED_TARGET = "eqx_models_quantized_matvec"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -115,6 +119,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(WRITE_PAGES_TARGET, jax.ffi.pycapsule(library.EqxWritePages), platform="cpu")
     jax.ffi.register_ffi_target(DELTA_RULE_TARGET, jax.ffi.pycapsule(library.EqxDeltaRuleStep), platform="cpu")
     jax.ffi.register_ffi_target(HEADWISE_TARGET, jax.ffi.pycapsule(library.EqxHeadwiseMatvec), platform="cpu")
+    jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
     return None
 
 
@@ -494,3 +499,65 @@ def headwise_matvec(
     derivative uses the XLA form).
     """
     return _headwise(x.astype(jnp.float32), stack, layer, heads, row_start, rows, bool(transpose))
+
+
+def _quantized_slice(stack, layer: Array) -> Array:
+    packed = jax.lax.dynamic_index_in_dim(stack.packed, layer, keepdims=False)
+    scales = jax.lax.dynamic_index_in_dim(stack.scales, layer, keepdims=False)
+    return dequantize(packed, scales, stack.bits, stack.group_size)
+
+
+def _quantized_reference(x, stacks, layer):
+    return tuple(jnp.einsum("...i,oi->...o", x, _quantized_slice(stack, layer)) for stack in stacks)
+
+
+def _quantized_kernel(x, stacks, layer):
+    bits, group = stacks[0].bits, stacks[0].group_size
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.packed.shape[1:2], jnp.float32) for s in stacks)
+    call = jax.ffi.ffi_call(QUANTIZED_TARGET, shapes, vmap_method="sequential")
+    arrays = [a for s in stacks for a in (s.packed, s.scales)]
+    return tuple(call(x, layer.astype(jnp.int32).reshape(()), *arrays, bits=np.int32(bits), group=np.int32(group)))
+
+
+@jax.custom_jvp
+def _quantized_matvecs(x, stacks, layer):
+    if any(s.scales.dtype not in (jnp.float16, jnp.bfloat16) for s in stacks):  # the kernel reads 16-bit scales
+        return _quantized_reference(x, stacks, layer)
+    return _dispatch(_quantized_kernel, _quantized_reference, x, stacks, layer)
+
+
+@_quantized_matvecs.defjvp
+def _quantized_matvecs_jvp(primals, tangents):
+    x, stacks, layer = primals
+    x_dot, stacks_dot, _ = tangents
+    outs = _quantized_matvecs(x, stacks, layer)
+    outs_dot = []
+    for stack, stack_dot in zip(stacks, stacks_dot):
+        # Linear in the scales: the integers over the scales' tangent.
+        packed = jax.lax.dynamic_index_in_dim(stack.packed, layer, keepdims=False)
+        scales_dot = jax.lax.dynamic_index_in_dim(stack_dot.scales, layer, keepdims=False)
+        weight_dot = dequantize(packed, scales_dot, stack.bits, stack.group_size)
+        outs_dot.append(
+            jnp.einsum("...i,oi->...o", x_dot, _quantized_slice(stack, layer))
+            + jnp.einsum("...i,oi->...o", x, weight_dot)
+        )
+    return outs, tuple(outs_dot)
+
+
+def quantized_matvecs(
+    x: Float[Array, "*rows in"], stacks: Sequence, layer: Int[Array, ""]
+) -> tuple[Float[Array, "*rows _"], ...]:
+    """`x @ dequantize(stack[layer]).T` in float32 for each `QuantizedWeight` stack
+    (`[layers, out, ...]`), reading the layer's integers and scales in place.
+
+    The stacks share `x`, `bits` and `group_size`. On the CPU with the kernels built
+    they go as one custom call that widens the integers in registers; elsewhere
+    each is the XLA `dot` of the dequantized slice. Differentiable in `x` and the
+    scales (the derivative uses the XLA form).
+    """
+    stacks = tuple(stacks)
+    if len({(s.bits, s.group_size) for s in stacks}) != 1:
+        raise ValueError(
+            f"quantized_matvecs: the stacks must share bits and group_size, got {[(s.bits, s.group_size) for s in stacks]}."
+        )
+    return _quantized_matvecs(x.astype(jnp.float32), stacks, layer)

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from ..kernels import kernels_available, stacked_matvecs
+from ..kernels import kernels_available, quantized_matvecs, stacked_matvecs
+from ..quantization import QuantizedWeight
 from ..sharding import spans_devices
 
 INIT_STD = 0.02  # transformers' default `initializer_range`
@@ -27,37 +28,62 @@ class LayerSlice(eqx.Module):
     out first. `materialize()` gives the slice itself for everything else.
     """
 
-    stack: Shaped[Array, "layers *rest"]
+    stack: Shaped[Array, "layers *rest"] | QuantizedWeight
     index: Int[Array, ""]
 
-    def materialize(self) -> Shaped[Array, "*rest"]:
-        return jax.lax.dynamic_index_in_dim(self.stack, self.index, keepdims=False)
+    def materialize(self) -> Shaped[Array, "*rest"] | QuantizedWeight:
+        take = lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False)
+        return jax.tree.map(take, self.stack) if isinstance(self.stack, QuantizedWeight) else take(self.stack)
 
 
-def use_matvec_kernel(x: Array, weight: Array | LayerSlice) -> bool:
-    """Whether `x @ weight.T` should go through `eqx_models.kernels.stacked_matvec`."""
+Weight = Float[Array, "out in"] | QuantizedWeight | LayerSlice
+
+
+def is_quantized(weight: Weight) -> bool:
+    """Whether `weight` (or the stack a `LayerSlice` refers to) is a `QuantizedWeight`."""
+    return isinstance(weight.stack if isinstance(weight, LayerSlice) else weight, QuantizedWeight)
+
+
+def use_matvec_kernel(x: Array, weight: Weight) -> bool:
+    """Whether `x @ weight.T` should go through one of the decode kernels
+    (`eqx_models.kernels.stacked_matvec`, or `quantized_matvecs`)."""
     dtype = weight.stack.dtype if isinstance(weight, LayerSlice) else weight.dtype
     return (
         math.prod(x.shape[:-1]) <= MAX_KERNEL_ROWS
-        and dtype in (jnp.float32, jnp.bfloat16)
+        and (is_quantized(weight) or dtype in (jnp.float32, jnp.bfloat16))
         and kernels_available()
     )
 
 
-def _as_stack(weight: Array | LayerSlice) -> tuple[Array, Array]:
+def _as_stack(weight: Weight) -> tuple[Array | QuantizedWeight, Array]:
     if isinstance(weight, LayerSlice):
         return weight.stack, weight.index
-    return weight[None], jnp.int32(0)
+    return jax.tree.map(lambda a: a[None], weight), jnp.int32(0)
 
 
-def project(x: Float[Array, "*batch in"], weight: Float[Array, "out in"] | LayerSlice) -> Float[Array, "*batch out"]:
-    """`x @ weight.T`, with the decode kernel for a few rows and XLA's matmul otherwise."""
-    if use_matvec_kernel(x, weight):
-        stack, index = _as_stack(weight)
-        return stacked_matvecs(x, (stack,), index)[0].astype(x.dtype)
+def _matvecs(x: Array, stacks: tuple, index: Array) -> tuple[Array, ...]:
+    if isinstance(stacks[0], QuantizedWeight):
+        return quantized_matvecs(x, stacks, index)
+    return stacked_matvecs(x, stacks, index)
+
+
+def _whole(weight: Weight, dtype) -> Float[Array, "out in"]:
+    """The float weight for XLA's matmul (dequantized in `dtype` when quantized)."""
     if isinstance(weight, LayerSlice):
         weight = weight.materialize()
-    return jnp.einsum("...i,oi->...o", x, weight)
+    return weight.dequantize(dtype) if isinstance(weight, QuantizedWeight) else weight
+
+
+def project(x: Float[Array, "*batch in"], weight: Weight) -> Float[Array, "*batch out"]:
+    """`x @ weight.T`, with the decode kernel for a few rows and XLA's matmul otherwise.
+
+    A quantized weight is dequantized for the matmul (one layer at a time, in
+    `x`'s dtype): prefill reuses each weight over many rows.
+    """
+    if use_matvec_kernel(x, weight):
+        stack, index = _as_stack(weight)
+        return _matvecs(x, (stack,), index)[0].astype(x.dtype)
+    return jnp.einsum("...i,oi->...o", x, _whole(weight, x.dtype))
 
 
 def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> list[Float[Array, "*batch _"]]:
@@ -67,9 +93,7 @@ def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> li
     return [l.finish(x, y) for y, l in zip(outs, layers)]
 
 
-def project_many(
-    x: Float[Array, "*batch in"], weights: list[Float[Array, "_ in"] | LayerSlice]
-) -> list[Float[Array, "*batch _"]]:
+def project_many(x: Float[Array, "*batch in"], weights: list[Weight]) -> list[Float[Array, "*batch _"]]:
     """`[x @ w.T for w in weights]`, as one operation over all the weights.
 
     For a few rows (decode) the projections go through the matrix-vector kernel
@@ -80,14 +104,15 @@ def project_many(
     """
     if all(use_matvec_kernel(x, w) for w in weights):
         stacks, indices = zip(*map(_as_stack, weights))
-        if len({s.dtype for s in stacks}) == 1 and all(i is indices[0] for i in indices):
-            outs = stacked_matvecs(x, stacks, indices[0])
+        kinds = {(type(s), s.dtype, getattr(s, "bits", None), getattr(s, "group_size", None)) for s in stacks}
+        if len(kinds) == 1 and all(i is indices[0] for i in indices):
+            outs = _matvecs(x, stacks, indices[0])
         else:
             outs = [project(x, w) for w in weights]
     elif spans_devices():  # weights split over a mesh: a concatenation would reshard them
         outs = [project(x, w) for w in weights]
     else:
-        weights = [w.materialize() if isinstance(w, LayerSlice) else w for w in weights]
+        weights = [_whole(w, x.dtype) for w in weights]
         joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))
         outs = jnp.split(joined, list(itertools.accumulate(w.shape[0] for w in weights))[:-1], axis=-1)
     return [y.astype(x.dtype) for y in outs]
@@ -101,7 +126,7 @@ class Linear(eqx.Module):
     projection), which sharding rules map onto a mesh.
     """
 
-    weight: Float[Array, "out in"] | LayerSlice
+    weight: Weight
     bias: Float[Array, " out"] | None
     axes: tuple[str | None, str | None] = eqx.field(static=True)
 
@@ -119,6 +144,8 @@ class Linear(eqx.Module):
         self.axes = tuple(axes)
 
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        if isinstance(self.weight, QuantizedWeight):  # it declares its own arrays' axes
+            return {"bias": self.axes[:1]}
         return {"weight": self.axes, "bias": self.axes[:1]}
 
     def __call__(self, x: Float[Array, "*batch in"]) -> Float[Array, "*batch out"]:

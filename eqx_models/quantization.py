@@ -1,0 +1,180 @@
+"""Weight-only quantization of linear layers: int8 and int4 in groups along the input.
+
+Each group of `group_size` consecutive input weights of an output row shares one
+scale, stored as float16 (llama.cpp's block shape at group 32: Q8_0 and Q4_0):
+
+- int8: `w = q * scale`, `q` in [-127, 127], one signed byte per weight.
+- int4: `w = (q - 8) * scale`, `q` in [0, 15], two weights per byte; in each group
+  byte `j` holds weight `j` in its low nibble and weight `j + group_size / 2` in its
+  high one (Q4_0's order, so GGUF blocks load without reshuffling).
+
+A `QuantizedWeight` takes the place of a `Linear`'s float weight. Stacked along
+`layers` like any other leaf, it is scanned, sliced per layer in place at decode
+(`kernels.quantized_matvecs`) and dequantized tile by tile for prefill.
+"""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, Shaped
+
+GROUP_SIZES = (32, 64, 128)
+SCALE_DTYPES = (jnp.float16, jnp.bfloat16)
+
+
+class QuantizedWeight(eqx.Module):
+    """A `(out, in)` weight held as integers and one scale per group of inputs.
+
+    Leading axes (a stack of layers or experts) may precede both arrays.
+    """
+
+    packed: Shaped[Array, "*stack out packed_in"]
+    scales: Float[Array, "*stack out groups"]
+    bits: int = eqx.field(static=True)
+    group_size: int = eqx.field(static=True)
+    axes: tuple[str | None, str | None] = eqx.field(static=True)
+
+    def __check_init__(self):
+        if self.bits not in (4, 8):
+            raise ValueError(f"QuantizedWeight: bits must be 8 or 4, got {self.bits}.")
+        per_byte = 8 // self.bits
+        if self.packed.shape[-1] * per_byte != self.scales.shape[-1] * self.group_size:
+            raise ValueError(
+                f"QuantizedWeight: {self.packed.shape[-1]} bytes per row hold {self.packed.shape[-1] * per_byte} "
+                f"inputs but {self.scales.shape[-1]} scales of groups of {self.group_size} cover "
+                f"{self.scales.shape[-1] * self.group_size}."
+            )
+
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        # Both arrays split like the float weight: a device's share of the input
+        # axis holds whole groups as long as it is a multiple of group_size.
+        return {"packed": self.axes, "scales": self.axes}
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's shape (with any leading stack axes)."""
+        return (*self.packed.shape[:-1], self.packed.shape[-1] * (8 // self.bits))
+
+    @property
+    def dtype(self):
+        return self.scales.dtype
+
+    def dequantize(self, dtype=jnp.float32) -> Float[Array, "*stack out in"]:
+        """The float weight these integers and scales stand for."""
+        return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype)
+
+
+def _check(in_features: int, bits: int, group_size: int) -> None:
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits}.")
+    if group_size not in GROUP_SIZES:
+        raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}.")
+    if in_features % group_size:
+        raise ValueError(
+            f"group_size={group_size} does not divide the input width {in_features}; pick a group size that "
+            f"does (one of {[g for g in GROUP_SIZES if in_features % g == 0] or 'none: leave this layer float'})."
+        )
+
+
+def quantize_weight(
+    weight: Float[Array, "*stack out in"],
+    bits: int = 8,
+    group_size: int = 32,
+    *,
+    scale_dtype=jnp.float16,
+    axes: tuple[str | None, str | None] = (None, None),
+) -> QuantizedWeight:
+    """Quantizes a float `(out, in)` weight (any leading axes) symmetrically per group.
+
+    int8: `scale = max|w| / 127`, `q = round(w / scale)`. int4 (as Q4_0): the
+    group's value of largest magnitude `m` gets `q = 0`, `scale = -m / 8`,
+    `q = clip(round(w / scale) + 8, 0, 15)`. The integers are computed against the
+    scale as stored (rounded to `scale_dtype`), so the error is at most half a step
+    (a whole step for the int4 value at the clipped end of the range).
+
+    Raises:
+        ValueError: bits other than 8 or 4, a group size not in `GROUP_SIZES` or
+            one that does not divide the input width.
+    """
+    *stack, out, in_features = weight.shape
+    _check(in_features, bits, group_size)
+    if jnp.dtype(scale_dtype) not in [jnp.dtype(d) for d in SCALE_DTYPES]:
+        raise ValueError(f"scale_dtype must be float16 or bfloat16, got {scale_dtype}.")
+    groups = jnp.asarray(weight, jnp.float32).reshape(*stack, out, in_features // group_size, group_size)
+    if bits == 8:
+        scale = (jnp.max(jnp.abs(groups), axis=-1) / 127).astype(scale_dtype)
+        step = scale.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)), -127, 127).astype(jnp.int8)
+        return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes))
+    extreme = jnp.take_along_axis(groups, jnp.argmax(jnp.abs(groups), axis=-1)[..., None], axis=-1)[..., 0]
+    scale = (-extreme / 8).astype(scale_dtype)
+    step = scale.astype(jnp.float32)[..., None]
+    q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)) + 8, 0, 15).astype(jnp.uint8)
+    half = group_size // 2
+    packed = q[..., :half] | (q[..., half:] << 4)
+    return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes))
+
+
+def unpack_int4(packed: Shaped[Array, "*rows bytes"], group_size: int) -> Int[Array, "*rows values"]:
+    """The 4-bit integers `q` (0..15) of packed bytes, in weight order."""
+    *rows, width = packed.shape
+    pairs = packed.reshape(*rows, width * 2 // group_size, group_size // 2)
+    low, high = pairs & 0xF, pairs >> 4
+    return jnp.concatenate([low, high], axis=-1).reshape(*rows, width * 2).astype(jnp.int32)
+
+
+def dequantize(
+    packed: Shaped[Array, "*stack out packed_in"],
+    scales: Float[Array, "*stack out groups"],
+    bits: int,
+    group_size: int,
+    dtype=jnp.float32,
+) -> Float[Array, "*stack out in"]:
+    """`q * scale` (int8) or `(q - 8) * scale` (int4) as a float array of `dtype`."""
+    if bits == 8:
+        q = packed.astype(jnp.float32)
+    else:
+        q = (unpack_int4(packed, group_size) - 8).astype(jnp.float32)
+    *stack, out, in_features = q.shape
+    groups = q.reshape(*stack, out, in_features // group_size, group_size) * scales.astype(jnp.float32)[..., None]
+    return groups.reshape(*stack, out, in_features).astype(dtype)
+
+
+def quantize(model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, lm_head: bool = True):
+    """`model` with the weight of every `Linear` replaced by a `QuantizedWeight`.
+
+    Args:
+        model: a `CausalLM` (or any module holding `nn.Linear` layers, stacked or not).
+        bits: 8 or 4.
+        group_size: inputs per scale (32, 64 or 128); must divide every quantized
+            layer's input width.
+        scale_dtype: float16 (as llama.cpp) or bfloat16.
+        lm_head: also quantize an untied output head. A head tied to the
+            embedding stays in the embedding's dtype.
+
+    Returns:
+        The quantized model; norms, embeddings, biases, routers and expert stacks
+        held outside `Linear` keep their dtype.
+    """
+    from .nn.linear import Linear
+
+    def swap(node):
+        if not isinstance(node, Linear) or isinstance(node.weight, QuantizedWeight):
+            return node
+        return eqx.tree_at(
+            lambda m: m.weight, node, quantize_weight(node.weight, bits, group_size, scale_dtype=scale_dtype,
+                                                      axes=node.axes)
+        )
+
+    is_linear = lambda node: isinstance(node, Linear)
+    head = getattr(model, "lm_head", None)
+    out = jax.tree.map(swap, model, is_leaf=is_linear)
+    if head is not None and not lm_head:
+        out = eqx.tree_at(lambda m: m.lm_head, out, head)
+    return out
+
+
+def quantized_bytes(tree) -> int:
+    """Bytes of every array in `tree` (a quantized model's size in memory)."""
+    return int(sum(np.dtype(leaf.dtype).itemsize * leaf.size for leaf in jax.tree.leaves(eqx.filter(tree, eqx.is_array))))

@@ -1,0 +1,215 @@
+"""Group-quantized weights: the formats' error bounds, the decode kernel against a
+float64 product, and quantized models against the same models dequantized."""
+
+import os
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_cache import random_ids, small_model
+
+import eqx_models
+from eqx_models.generation import DecodeState, Sampling, _decode_step
+from eqx_models.kernels import kernels_status, quantized_matvecs
+from eqx_models.quantization import QuantizedWeight, dequantize, quantize, quantize_weight, unpack_int4
+
+is_quantized = lambda node: isinstance(node, QuantizedWeight)
+
+
+def dequantized(model):
+    """`model` with every quantized weight replaced by its float value."""
+    return jax.tree.map(lambda n: n.dequantize() if is_quantized(n) else n, model, is_leaf=is_quantized)
+
+
+def heavy_tailed(shape, seed=0):
+    # Outliers in some groups: scales that differ by orders of magnitude.
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_t(3, shape).astype(np.float32) * 0.05)
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int8_error_is_at_most_half_a_step(group_size, scale_dtype):
+    w = heavy_tailed((3, 16, 256))  # a stack of 3 layers
+    q = quantize_weight(w, 8, group_size, scale_dtype=scale_dtype)
+    assert q.packed.dtype == jnp.int8 and q.packed.shape == (3, 16, 256)
+    assert q.scales.dtype == scale_dtype and q.scales.shape == (3, 16, 256 // group_size)
+    step = np.repeat(np.asarray(q.scales, np.float32), group_size, axis=-1)
+    amax = np.repeat(np.abs(np.asarray(w)).reshape(3, 16, -1, group_size).max(-1), group_size, axis=-1)
+    # Half a step, plus what rounding the scale down cuts off the largest value.
+    bound = 0.5 * step + np.maximum(amax - 127 * step, 0) + 1e-7
+    error = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
+    assert (error <= bound).all(), float((error - bound).max())
+    assert np.asarray(q.packed).min() >= -127
+
+
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_int4_error_is_at_most_half_a_step_but_at_the_clipped_end(group_size, scale_dtype):
+    w = heavy_tailed((16, 512), seed=1)
+    q = quantize_weight(w, 4, group_size, scale_dtype=scale_dtype)
+    assert q.packed.dtype == jnp.uint8 and q.packed.shape == (16, 256) and q.shape == (16, 512)
+    step = np.abs(np.repeat(np.asarray(q.scales, np.float32), group_size, axis=-1))
+    ratio = np.asarray(w) / np.repeat(np.asarray(q.scales, np.float32), group_size, axis=-1)
+    # The value of largest magnitude maps to -8; its opposite would be +8 and clips to 7.
+    bound = np.where(ratio > 7.5, step, 0.5 * step) * (1 + 1e-3) + 1e-7
+    error = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
+    assert (error <= bound).all(), float((error - bound).max())
+    q_ints = np.asarray(unpack_int4(q.packed, group_size))
+    assert q_ints.min() == 0 and q_ints.max() <= 15
+
+
+def test_int4_packs_q4_0_order_two_weights_per_byte():
+    # Group of 32: byte j holds weight j (low nibble) and weight j + 16 (high).
+    w = np.zeros((1, 32), np.float32)
+    w[0, 0] = -8.0  # the extreme: q 0, scale 1
+    w[0, 16] = 7.0  # q 15
+    w[0, 1] = 3.0  # q 11
+    q = quantize_weight(jnp.asarray(w), 4, 32)
+    assert float(q.scales[0, 0]) == 1.0
+    packed = np.asarray(q.packed)[0]
+    assert packed[0] == 0 | (15 << 4) and packed[1] == 11 | (8 << 4) and (packed[2:] == 8 | (8 << 4)).all()
+    np.testing.assert_array_equal(np.asarray(q.dequantize()), w)
+
+
+def test_bad_formats_are_refused_with_the_fix():
+    w = jnp.ones((4, 96))
+    with pytest.raises(ValueError, match="group_size=64 does not divide the input width 96.*one of \\[32\\]"):
+        quantize_weight(w, 8, 64)
+    with pytest.raises(ValueError, match="bits must be 8 or 4, got 3"):
+        quantize_weight(w, 3, 32)
+    with pytest.raises(ValueError, match="group_size must be one of"):
+        quantize_weight(w, 8, 48)
+    with pytest.raises(ValueError, match="scale_dtype"):
+        quantize_weight(w, 8, 32, scale_dtype=jnp.float32)
+
+
+def product_float64(x, stack: QuantizedWeight, layer: int) -> np.ndarray:
+    weight = dequantize(stack.packed[layer], stack.scales[layer], stack.bits, stack.group_size)
+    return np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
+
+
+def close_to_float64(got, want, x, weight_abs):
+    # float32 sums: a few units of rounding of the sum of |x| |w|.
+    bound = 1e-5 * (np.abs(np.asarray(x, np.float64)) @ weight_abs.T) + 1e-6
+    assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), float(np.abs(got - want).max())
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
+def test_quantized_matvec_equals_the_float64_product_of_the_dequantized_slice(bits, group_size, rows):
+    assert kernels_status() == "ready"
+    stack = quantize_weight(heavy_tailed((3, 37, 256), seed=rows), bits, group_size)  # 37: partial tiles
+    x = jax.random.normal(jax.random.key(rows), (rows, 256))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(2))
+    weight_abs = np.abs(np.asarray(dequantize(stack.packed[2], stack.scales[2], bits, group_size), np.float64))
+    close_to_float64(got, product_float64(x, stack, 2), x, weight_abs)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(bits):
+    stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16)
+              for n in (24, 8, 40)]
+    x = jax.random.normal(jax.random.key(0), (2, 3, 128))  # leading axes kept
+    outs = jax.jit(quantized_matvecs)(x, stacks, jnp.int32(1))
+    for out, stack in zip(outs, stacks):
+        assert out.shape == (2, 3, stack.shape[1])
+        weight_abs = np.abs(np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, 32), np.float64))
+        flat = np.asarray(x).reshape(6, 128)
+        close_to_float64(np.asarray(out).reshape(6, -1), product_float64(flat, stack, 1), flat, weight_abs)
+
+
+def test_quantized_matvecs_refuse_mixed_formats():
+    a = quantize_weight(jnp.ones((1, 8, 64)), 8, 32)
+    b = quantize_weight(jnp.ones((1, 8, 64)), 4, 32)
+    with pytest.raises(ValueError, match="share bits and group_size"):
+        quantized_matvecs(jnp.ones((1, 64)), (a, b), jnp.int32(0))
+
+
+def test_quantized_matvec_differentiates_in_the_activations_and_scales():
+    stack = quantize_weight(heavy_tailed((2, 16, 64)), 4, 32)
+    x = jax.random.normal(jax.random.key(1), (1, 64))
+    loss = lambda x, scales: jnp.sum(
+        quantized_matvecs(x, (eqx.tree_at(lambda s: s.scales, stack, scales),), jnp.int32(1))[0] ** 2
+    )
+    reference = lambda x, scales: jnp.sum(
+        (x @ dequantize(stack.packed[1], scales[1], 4, 32).T) ** 2
+    )
+    scales = stack.scales  # float16: the kernel's path
+    for got, want in zip(jax.grad(loss, (0, 1))(x, scales), jax.grad(reference, (0, 1))(x, scales)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5 * np.abs(want).max())
+
+
+def test_portable_quantized_loops_equal_the_float64_product():
+    script = """
+import jax, jax.numpy as jnp, numpy as np
+from eqx_models.kernels import kernels_status, quantized_matvecs
+from eqx_models.quantization import dequantize, quantize_weight
+assert kernels_status() == "ready"
+for bits in (8, 4):
+    for rows in (1, 3):
+        stack = quantize_weight(jax.random.normal(jax.random.key(bits), (2, 19, 128)) * 0.1, bits, 64)
+        x = jax.random.normal(jax.random.key(rows), (rows, 128))
+        (got,) = quantized_matvecs(x, (stack,), jnp.int32(1))
+        w = np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, 64), np.float64)
+        want = np.asarray(x, np.float64) @ w.T
+        bound = 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(w).T) + 1e-6
+        assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), (bits, rows)
+"""
+    env = dict(os.environ, EQX_MODELS_KERNELS_PORTABLE="1")
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return small_model(seed=3, num_hidden_layers=3, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                       head_dim=32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_model_decodes_as_the_same_model_dequantized(model, bits):
+    quantized = quantize(model, bits=bits, group_size=32)
+    leaves = jax.tree.leaves(quantized, is_leaf=is_quantized)
+    assert sum(is_quantized(leaf) for leaf in leaves) == 7 + 1  # q/k/v/o, gate/up/down, the untied head
+    float_model = dequantized(quantized)
+    ids = random_ids((2, 12), seed=bits)
+    tokens = eqx_models.generate(quantized, ids, max_new_tokens=24)
+    np.testing.assert_array_equal(tokens, eqx_models.generate(float_model, ids, max_new_tokens=24))
+    # Step by step through the cache, the kernel against XLA's dot of the dequantized weights.
+    cache_q, cache_f = quantized.init_cache(2, 40), float_model.init_cache(2, 40)
+    _, cache_q = quantized(ids, cache=cache_q)
+    _, cache_f = float_model(ids, cache=cache_f)
+    for t in range(12, 20):
+        step = tokens[:, t : t + 1]
+        got, cache_q = quantized(step, cache=cache_q)
+        want, cache_f = float_model(step, cache=cache_f)
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+
+
+def test_quantize_can_leave_the_head_float(model):
+    quantized = quantize(model, bits=8, lm_head=False)
+    assert not is_quantized(quantized.lm_head.weight) and is_quantized(quantized.model.layers.mlp.up_proj.weight)
+
+
+def test_int8_decode_step_reads_the_packed_weights_in_place():
+    assert kernels_status() == "ready"
+    model = small_model(seed=5, num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
+                        head_dim=64)
+    for bits in (8, 4):
+        quantized = quantize(model, bits=bits)
+        state = DecodeState(quantized.init_cache(1, 256), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool),
+                            jax.random.key(0))
+        compiled = _decode_step.lower(quantized, state, Sampling(), (), 0).compile().compiled
+        layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(quantized.model.layers)) // 6
+        temp = compiled.memory_analysis().temp_size_in_bytes
+        # A dequantized float copy of one layer's MLP weight alone would be 1 MB.
+        assert temp < layer_bytes / 8, (bits, temp, layer_bytes)
+        hlo = compiled.as_text()
+        assert "eqx_models_quantized_matvec" in hlo
+        assert not any("f32[1024,256]" in line or "f32[256,1024]" in line for line in hlo.splitlines())
