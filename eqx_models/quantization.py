@@ -34,6 +34,7 @@ class QuantizedWeight(eqx.Module):
     bits: int = eqx.field(static=True)
     group_size: int = eqx.field(static=True)
     axes: tuple[str | None, str | None] = eqx.field(static=True)
+    float_dtype: np.dtype = eqx.field(static=True)  # the weight's dtype before: activations keep it
 
     def __check_init__(self):
         if self.bits not in (4, 8):
@@ -57,12 +58,19 @@ class QuantizedWeight(eqx.Module):
         return (*self.packed.shape[:-1], self.packed.shape[-1] * (8 // self.bits))
 
     @property
-    def dtype(self):
-        return self.scales.dtype
+    def dtype(self) -> np.dtype:
+        """The float weight's dtype (the model's activations), not the scales'."""
+        return self.float_dtype
 
-    def dequantize(self, dtype=jnp.float32) -> Float[Array, "*stack out in"]:
-        """The float weight these integers and scales stand for."""
-        return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype)
+    def dequantize(self, dtype=None) -> Float[Array, "*stack out in"]:
+        """The float weight these integers and scales stand for (in `dtype`, by
+        default the weight's dtype before quantization)."""
+        return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype or self.float_dtype)
+
+    def take_rows(self, rows: Int[Array, "*batch"]) -> Float[Array, "*batch in"]:
+        """Rows of the dequantized weight (an embedding lookup), reading only those rows."""
+        packed, scales = jnp.take(self.packed, rows, axis=-2), jnp.take(self.scales, rows, axis=-2)
+        return dequantize(packed, scales, self.bits, self.group_size, self.float_dtype)
 
 
 def _check(in_features: int, bits: int, group_size: int) -> None:
@@ -98,6 +106,7 @@ def quantize_weight(
             one that does not divide the input width.
     """
     *stack, out, in_features = weight.shape
+    float_dtype = np.dtype(weight.dtype)
     _check(in_features, bits, group_size)
     if jnp.dtype(scale_dtype) not in [jnp.dtype(d) for d in SCALE_DTYPES]:
         raise ValueError(f"scale_dtype must be float16 or bfloat16, got {scale_dtype}.")
@@ -106,14 +115,14 @@ def quantize_weight(
         scale = (jnp.max(jnp.abs(groups), axis=-1) / 127).astype(scale_dtype)
         step = scale.astype(jnp.float32)[..., None]
         q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)), -127, 127).astype(jnp.int8)
-        return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes))
+        return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype)
     extreme = jnp.take_along_axis(groups, jnp.argmax(jnp.abs(groups), axis=-1)[..., None], axis=-1)[..., 0]
     scale = (-extreme / 8).astype(scale_dtype)
     step = scale.astype(jnp.float32)[..., None]
     q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)) + 8, 0, 15).astype(jnp.uint8)
     half = group_size // 2
     packed = q[..., :half] | (q[..., half:] << 4)
-    return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes))
+    return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes), float_dtype)
 
 
 def unpack_int4(packed: Shaped[Array, "*rows bytes"], group_size: int) -> Int[Array, "*rows values"]:
@@ -141,8 +150,17 @@ def dequantize(
     return groups.reshape(*stack, out, in_features).astype(dtype)
 
 
-def quantize(model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, lm_head: bool = True):
-    """`model` with the weight of every `Linear` replaced by a `QuantizedWeight`.
+def _child(node, key):
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    return node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key]
+
+
+def quantize(
+    model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, embeddings: bool = True,
+    lm_head: bool = True,
+):
+    """`model` with its linear weights (and embedding table) replaced by `QuantizedWeight`s.
 
     Args:
         model: a `CausalLM` (or any module holding `nn.Linear` layers, stacked or not).
@@ -150,29 +168,42 @@ def quantize(model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.floa
         group_size: inputs per scale (32, 64 or 128); must divide every quantized
             layer's input width.
         scale_dtype: float16 (as llama.cpp) or bfloat16.
-        lm_head: also quantize an untied output head. A head tied to the
-            embedding stays in the embedding's dtype.
+        embeddings: also quantize the token embedding table (rows are dequantized
+            as they are looked up; a tied head reads it quantized too).
+        lm_head: also quantize an untied output head.
 
     Returns:
-        The quantized model; norms, embeddings, biases, routers and expert stacks
-        held outside `Linear` keep their dtype.
+        The quantized model. Kept in their dtype: norms, biases, routers, expert
+        stacks (`[layers, experts, out, in]`), and the weights a module lists in
+        its `float_children` (those it reads other than through `Linear`).
     """
-    from .nn.linear import Linear
+    from .nn.linear import Embedding, Linear
 
-    def swap(node):
-        if not isinstance(node, Linear) or isinstance(node.weight, QuantizedWeight):
-            return node
-        return eqx.tree_at(
-            lambda m: m.weight, node, quantize_weight(node.weight, bits, group_size, scale_dtype=scale_dtype,
-                                                      axes=node.axes)
-        )
+    is_layer = lambda node: isinstance(node, (Linear, Embedding))
+    swaps = []
+    for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)[0]:
+        if not is_layer(node) or isinstance(node.weight, QuantizedWeight):
+            continue
+        parent = model
+        for key in path[:-1]:
+            parent = _child(parent, key)
+        name = getattr(path[-1], "name", None)
+        keep = name in getattr(parent, "float_children", ()) or (name == "lm_head" and not lm_head)
+        if isinstance(node, Embedding):
+            keep = keep or not embeddings
+        elif node.axes[0] == "router" or node.weight.ndim > 3:
+            keep = True
+        if not keep:
+            axes = ("vocab", "embed") if isinstance(node, Embedding) else node.axes
+            swaps.append((path, quantize_weight(node.weight, bits, group_size, scale_dtype=scale_dtype, axes=axes)))
+    for path, weight in swaps:
+        def where(m, path=path):
+            for key in path:
+                m = _child(m, key)
+            return m.weight
 
-    is_linear = lambda node: isinstance(node, Linear)
-    head = getattr(model, "lm_head", None)
-    out = jax.tree.map(swap, model, is_leaf=is_linear)
-    if head is not None and not lm_head:
-        out = eqx.tree_at(lambda m: m.lm_head, out, head)
-    return out
+        model = eqx.tree_at(where, model, weight)
+    return model
 
 
 def quantized_bytes(tree) -> int:

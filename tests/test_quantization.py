@@ -172,11 +172,16 @@ def model():
                        head_dim=32)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_model_decodes_as_the_same_model_dequantized(model, bits):
+@pytest.mark.parametrize("bits, tied", [(8, False), (4, False), (8, True)])
+def test_a_quantized_model_decodes_as_the_same_model_dequantized(model, bits, tied):
+    if tied:
+        model = small_model(seed=4, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+                            num_attention_heads=4, head_dim=32, tie_word_embeddings=True)
     quantized = quantize(model, bits=bits, group_size=32)
     leaves = jax.tree.leaves(quantized, is_leaf=is_quantized)
-    assert sum(is_quantized(leaf) for leaf in leaves) == 7 + 1  # q/k/v/o, gate/up/down, the untied head
+    # q/k/v/o, gate/up/down, the embedding table, and the head unless tied to it.
+    assert sum(is_quantized(leaf) for leaf in leaves) == 7 + 1 + (not tied)
+    assert quantized.dtype == jnp.float32
     float_model = dequantized(quantized)
     ids = random_ids((2, 12), seed=bits)
     tokens = eqx_models.generate(quantized, ids, max_new_tokens=24)
@@ -192,9 +197,10 @@ def test_a_quantized_model_decodes_as_the_same_model_dequantized(model, bits):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
-def test_quantize_can_leave_the_head_float(model):
-    quantized = quantize(model, bits=8, lm_head=False)
-    assert not is_quantized(quantized.lm_head.weight) and is_quantized(quantized.model.layers.mlp.up_proj.weight)
+def test_quantize_can_leave_the_head_and_embeddings_float(model):
+    quantized = quantize(model, bits=8, lm_head=False, embeddings=False)
+    assert not is_quantized(quantized.lm_head.weight) and not is_quantized(quantized.model.embed_tokens.weight)
+    assert is_quantized(quantized.model.layers.mlp.up_proj.weight)
 
 
 def test_int8_decode_step_reads_the_packed_weights_in_place():
@@ -213,3 +219,37 @@ def test_int8_decode_step_reads_the_packed_weights_in_place():
         hlo = compiled.as_text()
         assert "eqx_models_quantized_matvec" in hlo
         assert not any("f32[1024,256]" in line or "f32[256,1024]" in line for line in hlo.splitlines())
+
+
+# Widths that groups of 32 divide, for the layers each family quantizes.
+GROUPABLE = dict(intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32, v_head_dim=8,
+                 shared_expert_intermediate_size=32, linear_value_head_dim=8)
+
+
+def _groupable_model(model_type: str):
+    from conftest import tiny_config
+    from zoo import tiny_overrides
+
+    from eqx_models.models import architecture_for
+
+    overrides = dict(tiny_overrides(model_type))
+    overrides.update({k: v for k, v in GROUPABLE.items() if k in overrides or k == "intermediate_size"})
+    hf = tiny_config(model_type, **overrides).to_dict()
+    model = eqx_models.CausalLM(architecture_for(hf).config_from_hf(hf), key=jax.random.key(0))
+    # Matrices drawn 8x wider than the 0.02 default: logits of order 1, not near-ties.
+    widen = lambda a: a * 8 if eqx.is_inexact_array(a) and a.ndim >= 2 else a
+    return jax.tree.map(widen, model)
+
+
+@pytest.mark.parametrize("model_type", eqx_models.models.supported_model_types())
+def test_every_family_quantized_decodes_the_greedy_tokens_of_its_dequantized_weights(model_type):
+    model = _groupable_model(model_type)
+    quantized = quantize(model, bits=8 if len(model_type) % 2 else 4)
+    assert any(is_quantized(leaf) for leaf in jax.tree.leaves(quantized.model.layers, is_leaf=is_quantized))
+    prompt = random_ids((2, 7), seed=1) % model.config.vocab_size
+    new = np.asarray(eqx_models.generate(quantized, prompt, max_new_tokens=8, eos_token_id=[]))
+    # Each token the kernels decoded is the argmax of the dequantized model's full forward.
+    tokens = np.concatenate([np.asarray(prompt), new], axis=1)
+    logits, _ = dequantized(quantized)(jnp.asarray(tokens[:, :-1]))
+    np.testing.assert_array_equal(new, np.argmax(np.asarray(logits[:, 6:]), axis=-1))
+    jax.clear_caches()

@@ -121,6 +121,8 @@ class MultiHeadLatentAttention(eqx.Module):
     keys are `[batch, 1, seq, kv_lora_rank + qk_rope_head_dim]` rows and its new
     values have no channels."""
 
+    float_children = ("kv_b_proj",)  # read per head by headwise_matvec, not through Linear
+
     q_proj: Linear | None
     q_a_proj: Linear | None
     q_a_layernorm: RMSNorm | None

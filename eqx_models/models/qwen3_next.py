@@ -344,6 +344,8 @@ class GatedAttention(Attention):
 class Qwen3NextMoeBlock(SparseMoeBlock):
     """Routed experts plus the shared expert, scaled by its sigmoid gate."""
 
+    float_children = ("shared_expert_gate",)  # one output: a gate, kept exact like the routers
+
     shared_expert: GatedMLP
     shared_expert_gate: Linear
 

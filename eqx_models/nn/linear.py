@@ -190,7 +190,7 @@ class Embedding(eqx.Module):
     (`attend`) uses the table unscaled.
     """
 
-    weight: Float[Array, "vocab hidden"]
+    weight: Float[Array, "vocab hidden"] | QuantizedWeight
     scale: float | None = eqx.field(static=True)
 
     def __init__(self, vocab_size: int, hidden_size: int, *, scale: float | None = None, key: PRNGKeyArray):
@@ -198,10 +198,13 @@ class Embedding(eqx.Module):
         self.scale = scale
 
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
-        return {"weight": ("vocab", "embed")}
+        return {} if isinstance(self.weight, QuantizedWeight) else {"weight": ("vocab", "embed")}
 
     def __call__(self, input_ids: Int[Array, "*batch"]) -> Float[Array, "*batch hidden"]:
-        rows = jnp.take(self.weight, input_ids, axis=0)
+        if isinstance(self.weight, QuantizedWeight):
+            rows = self.weight.take_rows(input_ids)
+        else:
+            rows = jnp.take(self.weight, input_ids, axis=0)
         return rows if self.scale is None else rows * jnp.asarray(self.scale, rows.dtype)
 
     def attend(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
