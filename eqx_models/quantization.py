@@ -10,7 +10,14 @@ scale, stored as float16 (llama.cpp's block shape at group 32: Q8_0 and Q4_0):
 
 A `QuantizedWeight` takes the place of a `Linear`'s float weight. Stacked along
 `layers` like any other leaf, it is scanned, sliced per layer in place at decode
-(`kernels.quantized_matvecs`) and dequantized tile by tile for prefill.
+(`kernels.quantized_matvecs`) and dequantized layer by layer for prefill.
+
+Activations: with `activations="int8"` (the default, as llama.cpp computes Q8_0 and
+Q4_0 products) the input of each quantized product is rounded per block of 32 to
+int8 with one float32 scale (`quantize_activations`), so the CPU kernel sums the
+products in integers; prefill rounds the same way, so both compute one function.
+With `activations="float"` the inputs stay as they are (slower decode on the CPU,
+the exact product with the dequantized weight).
 """
 
 import equinox as eqx
@@ -21,6 +28,29 @@ from jaxtyping import Array, Float, Int, Shaped
 
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16)
+ACTIVATIONS = ("int8", "float")
+ACTIVATION_BLOCK = 32  # inputs per activation scale with activations="int8"
+
+
+@jax.custom_jvp
+def quantize_activations(x: Float[Array, "*rows in"]) -> Float[Array, "*rows in"]:
+    """`x` rounded per block of 32 inputs to `dx * q`, `q = round(x * 127 / max|x|)`
+    an int8 and `dx = max|x| / 127` (float32), as the int8-activation kernels see it.
+
+    Differentiated as the identity (the straight-through estimator): the rounding
+    has no useful derivative, and training through a quantized model (QLoRA)
+    wants the gradient of the unrounded product.
+    """
+    *rows, width = x.shape
+    blocks = x.astype(jnp.float32).reshape(*rows, width // ACTIVATION_BLOCK, ACTIVATION_BLOCK)
+    amax = jnp.max(jnp.abs(blocks), axis=-1, keepdims=True)
+    inverse = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    return (jnp.round(blocks * inverse) * (amax / 127.0)).reshape(x.shape)
+
+
+@quantize_activations.defjvp
+def _quantize_activations_jvp(primals, tangents):
+    return quantize_activations(*primals), tangents[0].astype(jnp.float32)
 
 
 class QuantizedWeight(eqx.Module):
@@ -35,10 +65,13 @@ class QuantizedWeight(eqx.Module):
     group_size: int = eqx.field(static=True)
     axes: tuple[str | None, str | None] = eqx.field(static=True)
     float_dtype: np.dtype = eqx.field(static=True)  # the weight's dtype before: activations keep it
+    activations: str = eqx.field(static=True, default="int8")
 
     def __check_init__(self):
         if self.bits not in (4, 8):
             raise ValueError(f"QuantizedWeight: bits must be 8 or 4, got {self.bits}.")
+        if self.activations not in ACTIVATIONS:
+            raise ValueError(f"QuantizedWeight: activations must be one of {ACTIVATIONS}, got {self.activations!r}.")
         per_byte = 8 // self.bits
         if self.packed.shape[-1] * per_byte != self.scales.shape[-1] * self.group_size:
             raise ValueError(
@@ -67,6 +100,11 @@ class QuantizedWeight(eqx.Module):
         default the weight's dtype before quantization)."""
         return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype or self.float_dtype)
 
+    def prepare_input(self, x: Float[Array, "*rows in"]) -> Float[Array, "*rows in"]:
+        """`x` as the products with this weight see it (`quantize_activations` with
+        int8 activations), in `x`'s dtype."""
+        return quantize_activations(x).astype(x.dtype) if self.activations == "int8" else x
+
     def take_rows(self, rows: Int[Array, "*batch"]) -> Float[Array, "*batch in"]:
         """Rows of the dequantized weight (an embedding lookup), reading only those rows."""
         packed, scales = jnp.take(self.packed, rows, axis=-2), jnp.take(self.scales, rows, axis=-2)
@@ -91,6 +129,7 @@ def quantize_weight(
     group_size: int = 32,
     *,
     scale_dtype=jnp.float16,
+    activations: str = "int8",
     axes: tuple[str | None, str | None] = (None, None),
 ) -> QuantizedWeight:
     """Quantizes a float `(out, in)` weight (any leading axes) symmetrically per group.
@@ -100,6 +139,8 @@ def quantize_weight(
     `q = clip(round(w / scale) + 8, 0, 15)`. The integers are computed against the
     scale as stored (rounded to `scale_dtype`), so the error is at most half a step
     (a whole step for the int4 value at the clipped end of the range).
+    `activations` ("int8" or "float"): how products with the weight treat their
+    input (see the module docstring).
 
     Raises:
         ValueError: bits other than 8 or 4, a group size not in `GROUP_SIZES` or
@@ -110,19 +151,23 @@ def quantize_weight(
     _check(in_features, bits, group_size)
     if jnp.dtype(scale_dtype) not in [jnp.dtype(d) for d in SCALE_DTYPES]:
         raise ValueError(f"scale_dtype must be float16 or bfloat16, got {scale_dtype}.")
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}.")
     groups = jnp.asarray(weight, jnp.float32).reshape(*stack, out, in_features // group_size, group_size)
     if bits == 8:
         scale = (jnp.max(jnp.abs(groups), axis=-1) / 127).astype(scale_dtype)
         step = scale.astype(jnp.float32)[..., None]
         q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)), -127, 127).astype(jnp.int8)
-        return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype)
+        return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype,
+                               activations)
     extreme = jnp.take_along_axis(groups, jnp.argmax(jnp.abs(groups), axis=-1)[..., None], axis=-1)[..., 0]
     scale = (-extreme / 8).astype(scale_dtype)
     step = scale.astype(jnp.float32)[..., None]
     q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)) + 8, 0, 15).astype(jnp.uint8)
     half = group_size // 2
     packed = q[..., :half] | (q[..., half:] << 4)
-    return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes), float_dtype)
+    return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes), float_dtype,
+                           activations)
 
 
 def unpack_int4(packed: Shaped[Array, "*rows bytes"], group_size: int) -> Int[Array, "*rows values"]:
@@ -157,8 +202,8 @@ def _child(node, key):
 
 
 def quantize(
-    model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, embeddings: bool = True,
-    lm_head: bool = True,
+    model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, activations: str = "int8",
+    embeddings: bool = True, lm_head: bool = True,
 ):
     """`model` with its linear weights (and embedding table) replaced by `QuantizedWeight`s.
 
@@ -168,6 +213,9 @@ def quantize(
         group_size: inputs per scale (32, 64 or 128); must divide every quantized
             layer's input width.
         scale_dtype: float16 (as llama.cpp) or bfloat16.
+        activations: "int8" (inputs of the products rounded per block of 32, as
+            llama.cpp does: the fast CPU path) or "float" (exact products with
+            the dequantized weights).
         embeddings: also quantize the token embedding table (rows are dequantized
             as they are looked up; a tied head reads it quantized too).
         lm_head: also quantize an untied output head.
@@ -195,7 +243,9 @@ def quantize(
             keep = True
         if not keep:
             axes = ("vocab", "embed") if isinstance(node, Embedding) else node.axes
-            swaps.append((path, quantize_weight(node.weight, bits, group_size, scale_dtype=scale_dtype, axes=axes)))
+            swaps.append((path, quantize_weight(
+                node.weight, bits, group_size, scale_dtype=scale_dtype, activations=activations, axes=axes
+            )))
     for path, weight in swaps:
         def where(m, path=path):
             for key in path:

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from ..quantization import dequantize
+from ..quantization import dequantize, quantize_activations
 from ..sharding import spans_devices
 
 SOURCES = tuple(
@@ -508,15 +508,17 @@ def _quantized_slice(stack, layer: Array) -> Array:
 
 
 def _quantized_reference(x, stacks, layer):
+    x = quantize_activations(x) if stacks[0].activations == "int8" else x
     return tuple(jnp.einsum("...i,oi->...o", x, _quantized_slice(stack, layer)) for stack in stacks)
 
 
 def _quantized_kernel(x, stacks, layer):
-    bits, group = stacks[0].bits, stacks[0].group_size
+    bits, group, int8 = stacks[0].bits, stacks[0].group_size, stacks[0].activations == "int8"
     shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.packed.shape[1:2], jnp.float32) for s in stacks)
     call = jax.ffi.ffi_call(QUANTIZED_TARGET, shapes, vmap_method="sequential")
     arrays = [a for s in stacks for a in (s.packed, s.scales)]
-    return tuple(call(x, layer.astype(jnp.int32).reshape(()), *arrays, bits=np.int32(bits), group=np.int32(group)))
+    return tuple(call(x, layer.astype(jnp.int32).reshape(()), *arrays, bits=np.int32(bits), group=np.int32(group),
+                      int8_activations=np.int32(int8)))
 
 
 @jax.custom_jvp
@@ -531,6 +533,8 @@ def _quantized_matvecs_jvp(primals, tangents):
     x, stacks, layer = primals
     x_dot, stacks_dot, _ = tangents
     outs = _quantized_matvecs(x, stacks, layer)
+    # The inputs' rounding (int8 activations) differentiates as the identity.
+    x_seen = quantize_activations(x) if stacks[0].activations == "int8" else x
     outs_dot = []
     for stack, stack_dot in zip(stacks, stacks_dot):
         # Linear in the scales: the integers over the scales' tangent.
@@ -539,7 +543,7 @@ def _quantized_matvecs_jvp(primals, tangents):
         weight_dot = dequantize(packed, scales_dot, stack.bits, stack.group_size)
         outs_dot.append(
             jnp.einsum("...i,oi->...o", x_dot, _quantized_slice(stack, layer))
-            + jnp.einsum("...i,oi->...o", x, weight_dot)
+            + jnp.einsum("...i,oi->...o", x_seen, weight_dot)
         )
     return outs, tuple(outs_dot)
 
@@ -548,16 +552,16 @@ def quantized_matvecs(
     x: Float[Array, "*rows in"], stacks: Sequence, layer: Int[Array, ""]
 ) -> tuple[Float[Array, "*rows _"], ...]:
     """`x @ dequantize(stack[layer]).T` in float32 for each `QuantizedWeight` stack
-    (`[layers, out, ...]`), reading the layer's integers and scales in place.
+    (`[layers, out, ...]`), reading the layer's integers and scales in place; with
+    int8 activations `x` is `quantize_activations(x)` first.
 
-    The stacks share `x`, `bits` and `group_size`. On the CPU with the kernels built
+    The stacks share `x`, `bits`, `group_size` and `activations`. On the CPU with the kernels built
     they go as one custom call that widens the integers in registers; elsewhere
     each is the XLA `dot` of the dequantized slice. Differentiable in `x` and the
     scales (the derivative uses the XLA form).
     """
     stacks = tuple(stacks)
-    if len({(s.bits, s.group_size) for s in stacks}) != 1:
-        raise ValueError(
-            f"quantized_matvecs: the stacks must share bits and group_size, got {[(s.bits, s.group_size) for s in stacks]}."
-        )
+    formats = [(s.bits, s.group_size, s.activations) for s in stacks]
+    if len(set(formats)) != 1:
+        raise ValueError(f"quantized_matvecs: the stacks must share bits, group_size and activations, got {formats}.")
     return _quantized_matvecs(x.astype(jnp.float32), stacks, layer)

@@ -74,6 +74,17 @@ def _whole(weight: Weight, dtype) -> Float[Array, "out in"]:
     return weight.dequantize(dtype) if isinstance(weight, QuantizedWeight) else weight
 
 
+def _input_kind(weight: Weight) -> str:
+    return (weight.stack if isinstance(weight, LayerSlice) else weight).activations if is_quantized(weight) else "float"
+
+
+def _prepared(x: Array, weight: Weight) -> Array:
+    """`x` as a product with `weight` sees it (rounded if it takes int8 activations)."""
+    if is_quantized(weight):
+        return (weight.stack if isinstance(weight, LayerSlice) else weight).prepare_input(x)
+    return x
+
+
 def project(x: Float[Array, "*batch in"], weight: Weight) -> Float[Array, "*batch out"]:
     """`x @ weight.T`, with the decode kernel for a few rows and XLA's matmul otherwise.
 
@@ -83,7 +94,7 @@ def project(x: Float[Array, "*batch in"], weight: Weight) -> Float[Array, "*batc
     if use_matvec_kernel(x, weight):
         stack, index = _as_stack(weight)
         return _matvecs(x, (stack,), index)[0].astype(x.dtype)
-    return jnp.einsum("...i,oi->...o", x, _whole(weight, x.dtype))
+    return jnp.einsum("...i,oi->...o", _prepared(x, weight), _whole(weight, x.dtype))
 
 
 def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> list[Float[Array, "*batch _"]]:
@@ -104,16 +115,19 @@ def project_many(x: Float[Array, "*batch in"], weights: list[Weight]) -> list[Fl
     """
     if all(use_matvec_kernel(x, w) for w in weights):
         stacks, indices = zip(*map(_as_stack, weights))
-        kinds = {(type(s), s.dtype, getattr(s, "bits", None), getattr(s, "group_size", None)) for s in stacks}
+        kinds = {(type(s), s.dtype, getattr(s, "bits", None), getattr(s, "group_size", None),
+                  getattr(s, "activations", None)) for s in stacks}
         if len(kinds) == 1 and all(i is indices[0] for i in indices):
             outs = _matvecs(x, stacks, indices[0])
         else:
             outs = [project(x, w) for w in weights]
     elif spans_devices():  # weights split over a mesh: a concatenation would reshard them
         outs = [project(x, w) for w in weights]
+    elif len({_input_kind(w) for w in weights}) > 1:
+        outs = [project(x, w) for w in weights]  # the weights see their input differently
     else:
-        weights = [_whole(w, x.dtype) for w in weights]
-        joined = jnp.einsum("...i,oi->...o", x, jnp.concatenate(weights, axis=0))
+        x_in, weights = _prepared(x, weights[0]), [_whole(w, x.dtype) for w in weights]
+        joined = jnp.einsum("...i,oi->...o", x_in, jnp.concatenate(weights, axis=0))
         outs = jnp.split(joined, list(itertools.accumulate(w.shape[0] for w in weights))[:-1], axis=-1)
     return [y.astype(x.dtype) for y in outs]
 
