@@ -1,6 +1,7 @@
 """`from_pretrained` / `save_pretrained`: Hugging Face checkpoints <-> stacked models."""
 
 import concurrent.futures
+import functools
 import itertools
 import json
 import math
@@ -17,6 +18,8 @@ from jax.sharding import Mesh
 from .config import load_json
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
+from .quantization import QuantizationSpec, quantize_weight, spec_for, spec_from_hf, spec_of
+from .quantization import quantize as quantize_model
 from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
 from .sharding import ShardingRules, placement_for, shardings
 
@@ -113,6 +116,20 @@ def _leaf_names(path) -> str:
     return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
 
 
+# A quantized weight's arrays in a checkpoint: `<module>.weight` the integers,
+# `<module>.scales` one scale per group (the layout of docs/quantization.md).
+QUANTIZED_LEAVES = {".weight.packed": ".weight", ".weight.scales": ".scales"}
+
+
+def _checkpoint_name(path) -> str:
+    """A leaf's name as a checkpoint spells it (before the architecture's renames)."""
+    name = _leaf_names(path)
+    for ours, theirs in QUANTIZED_LEAVES.items():
+        if name.endswith(ours):
+            return name[: -len(ours)] + theirs
+    return name
+
+
 def _hf_names(
     name: str, leaf_shape: tuple[int, ...], rename, substacks: dict[str, tuple[int, ...]], fused_experts: bool = False
 ) -> tuple[list[str], tuple[int, ...]]:
@@ -161,6 +178,7 @@ def from_pretrained(
     mesh: Mesh | None = None,
     sharding: "str | ShardingRules | Mapping | None" = None,
     map_weights: bool = True,
+    quantize: "str | Mapping | QuantizationSpec | None" = None,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint into a stacked `CausalLM`.
 
@@ -183,6 +201,12 @@ def from_pretrained(
             memory of the process's own, and pages are read from the file as they
             are first used. False reads every tensor into memory, for files that
             may change while the model is in use.
+        quantize: `"int8"` or `"int4"` (or a mapping of `eqx_models.quantize`'s
+            options): quantize the linear weights and the embedding table while
+            loading, one tensor (or block of rows) at a time, so the float model
+            is never held whole. A checkpoint written by `save_pretrained` from a
+            quantized model loads quantized without this (its `quantization_config`
+            says how).
 
     Returns:
         The `CausalLM`, its layers stacked along a leading axis.
@@ -202,25 +226,42 @@ def from_pretrained(
     """
     if sharding is not None and mesh is None:
         raise ValueError("sharding= needs mesh=: pass the jax.sharding.Mesh to lay the model out on.")
+    if quantize is not None and mesh is not None:
+        raise ValueError("quantize= with mesh= is not supported yet: load on one device, or load the float model "
+                         "on the mesh.")
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=MODEL_FILES)
     config_path = folder / "config.json"
     if not config_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
     hf_config = load_json(config_path)
+    saved = hf_config.pop("quantization_config", None)
+    saved_spec = None if saved is None else spec_from_hf(saved, str(config_path))
+    spec = None if quantize is None else spec_for(quantize)
+    if saved_spec is not None and spec is not None and spec != saved_spec:
+        raise ValueError(f"{folder} is already quantized ({saved_spec}); drop quantize= to load it as it is.")
     arch = architecture_for(hf_config)
     config = arch.config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     placement = None if mesh is None else placement_for(config, mesh, sharding)
     source = TensorSource(_checkpoint_files(folder))
     target_dtype = None if dtype is None else jnp.dtype(dtype)
+    if saved_spec is not None:  # the skeleton of the saved quantized model
+        skeleton = _quantized_skeleton(skeleton, saved_spec, target_dtype or jnp.dtype(hf_config.get("torch_dtype",
+                                                                                                       "float32")))
+    quantized_skeleton = None
+    if spec is not None:
+        embed_names = _hf_names("model.embed_tokens.weight", (), arch.tensor_name, {})[0]
+        float_dtype = target_dtype or np.dtype(source.dtype(embed_names[0]))
+        quantized_skeleton = _quantized_skeleton(skeleton, spec, float_dtype)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     plan = []
     problems = []
     consumed = set()
     targets = [None] * len(leaves) if placement is None else jax.tree.leaves(shardings(skeleton, placement))
+    quantized_paths = set() if quantized_skeleton is None else _quantized_weight_paths(quantized_skeleton)
     for (path, leaf), target in zip(leaves, targets):
-        ours = _leaf_names(path)
+        ours = _checkpoint_name(path)
         names, stacked = _hf_names(ours, leaf.shape, arch.tensor_name, skeleton.model.substack_layers(),
                                    arch.fused_experts)
         expected = leaf.shape[len(stacked):]
@@ -232,7 +273,10 @@ def from_pretrained(
             elif source.shape(name) != tuple(expected):
                 problems.append(f"tensor {name} has shape {source.shape(name)}, expected {tuple(expected)}")
         consumed.update(names)
-        plan.append((names, stacked, target, transposed))
+        # Scales and integers keep their dtype; floats take `dtype`.
+        leaf_dtype = None if _leaf_names(path).endswith(tuple(QUANTIZED_LEAVES)) else target_dtype
+        quantized = spec if tuple(path) in quantized_paths else None
+        plan.append((names, stacked, target, transposed, leaf_dtype, quantized))
     unexpected = sorted(
         n
         for n in set(source.location) - consumed
@@ -248,13 +292,72 @@ def from_pretrained(
             f"(model_type {config.model_type!r}):\n  {listing}"
         )
 
+    def load(entry):
+        names, stacked, target, transposed, leaf_dtype, quantized = entry
+        if quantized is not None:
+            return _load_quantized_leaf(source, names, stacked, quantized)
+        return _load_leaf(source, names, stacked, leaf_dtype, target, map_weights, transposed)
+
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0))) as pool:
-        load = lambda entry: _load_leaf(source, entry[0], entry[1], target_dtype, entry[2], map_weights, entry[3])
         arrays = list(pool.map(load, plan))
+    if quantized_skeleton is not None:
+        loaded = {tuple(path): array for (path, _), array in zip(leaves, arrays)}
+        q_leaves, treedef = jax.tree_util.tree_flatten_with_path(quantized_skeleton)
+        arrays = [loaded[tuple(path)] if tuple(path) in loaded else loaded[tuple(path[:-1])][_PART[path[-1].name]]
+                  for path, _ in q_leaves]
     model = jax.tree_util.tree_unflatten(treedef, arrays)
     return model if placement is None else model.with_placement(placement)
+
+
+_PART = {"packed": 0, "scales": 1}
+
+
+def _quantized_skeleton(skeleton: CausalLM, spec: QuantizationSpec, float_dtype) -> CausalLM:
+    """The shapes of `skeleton` quantized by `spec`, its floats in `float_dtype`."""
+    as_float = lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
+    floats = jax.tree.map(as_float, skeleton)
+    return eqx.filter_eval_shape(lambda m: quantize_model(m, **spec.options()), floats)
+
+
+def _quantized_weight_paths(quantized: CausalLM) -> set[tuple]:
+    """Paths (in the float model) of the weights that `quantized` holds quantized."""
+    return {tuple(path[:-1]) for path, _ in jax.tree_util.tree_flatten_with_path(quantized)[0]
+            if getattr(path[-1], "name", None) == "packed"}
+
+
+# Rows of float32 quantized at a time while loading: what is held beside the
+# quantized model, per loading thread.
+QUANTIZE_CHUNK_BYTES = 16 << 20
+
+
+@functools.cache
+def _quantizer(spec: QuantizationSpec):
+    options = dict(bits=spec.bits, group_size=spec.group_size, scale_dtype=jnp.dtype(spec.scale_dtype))
+    return jax.jit(lambda rows: (lambda q: (q.packed, q.scales))(quantize_weight(rows, **options)))
+
+
+def _load_quantized_leaf(source: TensorSource, names: list[str], stacked: tuple[int, ...], spec: QuantizationSpec):
+    """Reads a float weight leaf a block of rows at a time and quantizes each
+    block into the leaf's integers and scales (both returned)."""
+    out_features, in_features = source.shape(names[0])
+    packed = aligned_empty((*stacked, out_features, in_features * spec.bits // 8),
+                           np.dtype(np.int8 if spec.bits == 8 else np.uint8))
+    scales = aligned_empty((*stacked, out_features, in_features // spec.group_size), jnp.dtype(spec.scale_dtype))
+    packed_parts = packed.reshape(-1, *packed.shape[-2:])
+    scale_parts = scales.reshape(-1, *scales.shape[-2:])
+    block = max(1, min(out_features, QUANTIZE_CHUNK_BYTES // (4 * in_features)))
+    staging = np.zeros((block, in_features), np.float32)  # one compiled shape: the last block is padded
+    quantizer = _quantizer(spec)
+    for i, name in enumerate(names):
+        for start in range(0, out_features, block):
+            rows = range(start, min(out_features, start + block))
+            source.read_into(name, staging[: len(rows)], rows)
+            q, s = quantizer(staging)
+            packed_parts[i, start : rows.stop] = np.asarray(q)[: len(rows)]
+            scale_parts[i, start : rows.stop] = np.asarray(s)[: len(rows)]
+    return _to_jax(packed), _to_jax(scales)
 
 
 def _load_leaf(
@@ -327,7 +430,7 @@ def _hf_tensors(model: CausalLM, arch) -> list[tuple[str, jax.Array, tuple[int, 
     out = []
     substacks = model.model.substack_layers()
     for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]:
-        ours = _leaf_names(path)
+        ours = _checkpoint_name(path)
         names, stacked = _hf_names(ours, leaf.shape, arch.tensor_name, substacks, arch.fused_experts)
         transposed = _transposed_in_checkpoint(ours, leaf.shape[len(stacked):], arch.fused_experts)
         out += [(hf, leaf, tuple(map(int, np.unravel_index(i, stacked))), transposed) for i, hf in enumerate(names)]
@@ -367,6 +470,9 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     hf_config = arch.config_to_hf(config)
     hf_config["architectures"] = [arch.hf_class]
     hf_config["torch_dtype"] = jnp.dtype(model.dtype).name
+    spec = spec_of(model)
+    if spec is not None:  # read back by from_pretrained; transformers does not know this layout
+        hf_config["quantization_config"] = spec.to_hf()
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
     shards: list[list[tuple[str, jax.Array, tuple[int, ...]]]] = [[]]

@@ -20,6 +20,8 @@ With `activations="float"` the inputs stay as they are (slower decode on the CPU
 the exact product with the dequantized weight).
 """
 
+import dataclasses
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -254,6 +256,93 @@ def quantize(
 
         model = eqx.tree_at(where, model, weight)
     return model
+
+
+# ----------------------------------------------------------- checkpoint layout
+
+FORMAT = "eqx_models"
+FORMAT_VERSION = 1
+PRESETS = {"int8": dict(bits=8), "int4": dict(bits=4)}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizationSpec:
+    """How a model is quantized: `quantize(model, **spec.options())` rebuilds it,
+    and `quantization_config` in a saved `config.json` records it."""
+
+    bits: int
+    group_size: int = 32
+    scale_dtype: str = "float16"
+    activations: str = "int8"
+    embeddings: bool = True
+    lm_head: bool = True
+
+    def options(self) -> dict:
+        return dict(bits=self.bits, group_size=self.group_size, scale_dtype=jnp.dtype(self.scale_dtype),
+                    activations=self.activations, embeddings=self.embeddings, lm_head=self.lm_head)
+
+    def to_hf(self) -> dict:
+        """The `quantization_config` entry of `config.json`."""
+        return dict(quant_method=FORMAT, format_version=FORMAT_VERSION, bits=self.bits, group_size=self.group_size,
+                    scale_dtype=self.scale_dtype, activations=self.activations, embeddings=self.embeddings,
+                    lm_head=self.lm_head)
+
+
+def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
+    """A `QuantizationSpec` from `"int8"` / `"int4"`, a mapping of its fields, or itself."""
+    if isinstance(quantize, QuantizationSpec):
+        return quantize
+    if isinstance(quantize, str):
+        if quantize not in PRESETS:
+            raise ValueError(f"quantize={quantize!r} is not known; use one of {sorted(PRESETS)} (or a mapping of "
+                             "bits, group_size, scale_dtype, activations, embeddings, lm_head).")
+        return QuantizationSpec(**PRESETS[quantize])
+    return QuantizationSpec(**dict(quantize))
+
+
+def spec_from_hf(entry: dict, where: str) -> QuantizationSpec:
+    """The spec a saved `quantization_config` describes; refuses other formats and
+    versions with what to do."""
+    method = entry.get("quant_method")
+    if method != FORMAT:
+        raise ValueError(
+            f"{where} is quantized with quant_method={method!r}, which this library does not read. Load the "
+            "float checkpoint and quantize it here (from_pretrained(..., quantize='int8' or 'int4')), or use a "
+            "checkpoint written by eqx_models.save_pretrained."
+        )
+    version = entry.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(
+            f"{where} holds an eqx_models quantized checkpoint of layout version {version!r}; this version of "
+            f"eqx_models reads version {FORMAT_VERSION}. Upgrade eqx_models, or re-quantize from the float checkpoint."
+        )
+    fields = {k: entry[k] for k in ("bits", "group_size", "scale_dtype", "activations", "embeddings", "lm_head")
+              if k in entry}
+    return QuantizationSpec(**fields)
+
+
+def spec_of(model) -> QuantizationSpec | None:
+    """The spec of a model quantized by `quantize` (None if nothing in it is quantized).
+
+    Raises:
+        ValueError: weights quantized with different settings (no single spec).
+    """
+    weights = [leaf for leaf in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, QuantizedWeight))
+               if isinstance(leaf, QuantizedWeight)]
+    if not weights:
+        return None
+    formats = {(w.bits, w.group_size, jnp.dtype(w.scales.dtype).name, w.activations) for w in weights}
+    if len(formats) > 1:
+        raise ValueError(f"The model's weights are quantized in several ways {sorted(formats)}; save_pretrained "
+                         "writes one. Quantize the float model once with eqx_models.quantize.")
+    (bits, group_size, scale_dtype, activations), = formats
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    head = getattr(model, "lm_head", None)
+    return QuantizationSpec(
+        bits, group_size, scale_dtype, activations,
+        embeddings=embed is not None and isinstance(embed.weight, QuantizedWeight),
+        lm_head=head is not None and isinstance(head.weight, QuantizedWeight),
+    )
 
 
 def quantized_bytes(tree) -> int:

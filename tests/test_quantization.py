@@ -314,3 +314,69 @@ def test_every_family_quantized_decodes_the_greedy_tokens_of_its_full_forward(mo
     logits, _ = quantized(jnp.asarray(tokens[:, :-1]))
     np.testing.assert_array_equal(new, np.argmax(np.asarray(logits[:, 6:]), axis=-1))
     jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory):
+    from conftest import make_checkpoint, tiny_config
+
+    folder = tmp_path_factory.mktemp("float_qwen3")
+    make_checkpoint(folder, tiny_config("qwen3", hidden_size=64, intermediate_size=128, head_dim=16))
+    return folder
+
+
+def arrays_equal(a, b) -> bool:
+    same_structure = jax.tree.structure(a) == jax.tree.structure(b)
+    pairs = zip(jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)))
+    return same_structure and all(x.dtype == y.dtype and (np.asarray(x) == np.asarray(y)).all() for x, y in pairs)
+
+
+@pytest.mark.parametrize("preset, bits", [("int8", 8), ("int4", 4)])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(float_checkpoint, preset, bits):
+    loaded = eqx_models.from_pretrained(float_checkpoint, quantize=preset)
+    assert arrays_equal(loaded, quantize(eqx_models.from_pretrained(float_checkpoint), bits=bits))
+    in_bfloat16 = eqx_models.from_pretrained(float_checkpoint, quantize=preset, dtype="bfloat16")
+    assert in_bfloat16.dtype == jnp.bfloat16 and in_bfloat16.model.norm.weight.dtype == jnp.bfloat16
+    assert in_bfloat16.model.layers.mlp.up_proj.weight.scales.dtype == jnp.float16
+
+
+def test_a_saved_quantized_checkpoint_reloads_without_requantizing(float_checkpoint, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    quantized = eqx_models.from_pretrained(float_checkpoint, quantize=dict(bits=4, group_size=32,
+                                                                           scale_dtype="bfloat16"))
+    eqx_models.save_pretrained(quantized, tmp_path)
+    entry = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert entry == dict(quant_method="eqx_models", format_version=1, bits=4, group_size=32, scale_dtype="bfloat16",
+                         activations="int8", embeddings=True, lm_head=True)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "U8"
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [128, 32]
+        assert f.get_slice("model.layers.0.mlp.up_proj.scales").get_shape() == [128, 2]
+    reloaded = eqx_models.from_pretrained(tmp_path)
+    assert arrays_equal(reloaded, quantized)
+    ids = random_ids((1, 6)) % 97
+    np.testing.assert_array_equal(eqx_models.generate(reloaded, ids, max_new_tokens=5),
+                                  eqx_models.generate(quantized, ids, max_new_tokens=5))
+
+
+def test_quantized_checkpoints_of_other_formats_and_versions_are_refused(float_checkpoint, tmp_path):
+    import json
+    import shutil
+
+    for entry, message in [
+        (dict(quant_method="gptq", bits=4), "quant_method='gptq', which this library does not read"),
+        (dict(quant_method="eqx_models", format_version=99, bits=8), "layout version 99.*reads version 1"),
+    ]:
+        folder = tmp_path / entry["quant_method"]
+        shutil.copytree(float_checkpoint, folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=entry)))
+        with pytest.raises(ValueError, match=message):
+            eqx_models.from_pretrained(folder)
+    with pytest.raises(ValueError, match="quantize='int3' is not known; use one of \\['int4', 'int8'\\]"):
+        eqx_models.from_pretrained(float_checkpoint, quantize="int3")
+    with pytest.raises(ValueError, match="group_size=128 does not divide the input width 64"):
+        eqx_models.from_pretrained(float_checkpoint, quantize=dict(bits=8, group_size=128))
