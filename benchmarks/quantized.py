@@ -1,0 +1,149 @@
+"""Decode and prefill of eqx_models at float32, bfloat16, int8 and int4 beside
+llama.cpp at F32, BF16, Q8_0 and Q4_0 on the same weights, in one run.
+
+The checkpoint is a Hugging Face float32 folder (e.g. a Qwen3-0.6B-shaped random
+model); the GGUF files are llama.cpp's conversions of that same folder, made by
+`../shared/anchors/llamacpp/setup.sh` (which also builds llama-bench; about ten
+minutes, never in CI):
+
+    CKPT=<checkpoint> bash ../shared/anchors/llamacpp/setup.sh <work>
+    python benchmarks/quantized.py --checkpoint <checkpoint> --llama-bin <work>/llama.cpp/build/bin \\
+        --gguf-dir <work>/gguf
+
+For each precision the two systems take turns, twice: ours decodes 32 tokens
+after a 128-token prompt (batch 1, median step) and prefills 512 tokens (best of
+three); llama-bench runs `-p 0 -n 32 -d 128` (32 tokens decoded after 128 in the
+cache) and `-p 512 -n 0`, both with 2 threads. int4 is compared with the GGUF
+where every matrix is Q4_0 (`llama-quantize --pure`), as ours quantizes the
+embedding table too. The floor is each model's bytes over the read bandwidth
+measured between the decode steps. Writes `benchmarks/results/quantized.json`.
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from decode import RESULTS, bandwidth_probes, interleaved, prepare_ours
+
+import eqx_models
+from eqx_models.generation import Sampling, _prefill
+from eqx_models.quantization import quantized_bytes
+
+# Ours, and the GGUF llama.cpp reads for the same width.
+PRECISIONS = {
+    "float32": dict(dtype="float32", gguf="f32"),
+    "bfloat16": dict(dtype="bfloat16", gguf="bf16"),
+    "int8": dict(quantize="int8", gguf="q8_0"),
+    "int4": dict(quantize="int4", gguf="q4_0-pure"),
+}
+
+
+def llama_bench(binary: Path, gguf: Path, threads: int, args: list[str]) -> float:
+    """Tokens per second llama-bench reports (its mean over repetitions)."""
+    command = [str(binary / "llama-bench"), "-m", str(gguf), "-t", str(threads), "-r", "3", "-o", "json", *args]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def ours(checkpoint: Path, options: dict, prompt: np.ndarray, new_tokens: int, probes: dict) -> dict:
+    model = eqx_models.from_pretrained(checkpoint, **{k: v for k, v in options.items() if k != "gguf"})
+    prefill, step, figures = prepare_ours(model, prompt, new_tokens)
+    prefill()
+    step()
+    steps = interleaved({"step": step, **probes}, rounds=new_tokens // 4, calls_per_round=4)
+    bandwidth = max((1 << 30) / min(steps[name]) for name in probes) / 1e9
+    long_prompt = jnp.asarray(np.resize(prompt, (1, 512)))
+    mask, key = jnp.ones(long_prompt.shape, jnp.int32), jax.random.key(0)
+    run = lambda: jax.block_until_ready(_prefill(model, long_prompt, mask, key, 513, Sampling(), ())[1])
+    run()
+    prefill_times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        run()
+        prefill_times.append(time.perf_counter() - start)
+    nbytes = quantized_bytes(model)
+    step_s = float(np.median(steps["step"]))
+    result = {
+        "decode_tokens_per_s": 1 / step_s,
+        "decode_ms_per_step": 1e3 * step_s,
+        "prefill_512_tokens_per_s": 512 / min(prefill_times),
+        "weight_bytes": nbytes,
+        "read_bandwidth_gb_s": bandwidth,
+        "floor_tokens_per_s": bandwidth * 1e9 / nbytes,
+        "decode_temp_bytes": figures["decode_temp_bytes"],
+    }
+    del model, prefill, step
+    gc.collect()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--llama-bin", type=Path, required=True)
+    parser.add_argument("--gguf-dir", type=Path, required=True)
+    parser.add_argument("--prefix", default="qwen3-0.6b-", help="GGUF file names: <prefix><type>.gguf")
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS))
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    args = parser.parse_args()
+
+    prompt = np.random.default_rng(0).integers(0, 1000, (1, 128), dtype=np.int32)
+    probes = bandwidth_probes()
+    runs = {p: {"eqx_models": [], "llama.cpp": []} for p in args.precisions}
+    for _ in range(args.rounds):
+        for precision in args.precisions:
+            options = PRECISIONS[precision]
+            runs[precision]["eqx_models"].append(ours(args.checkpoint, options, prompt, args.new_tokens, probes))
+            gguf = args.gguf_dir / f"{args.prefix}{options['gguf']}.gguf"
+            runs[precision]["llama.cpp"].append({
+                "gguf": gguf.name,
+                "decode_tokens_per_s": llama_bench(args.llama_bin, gguf, args.threads,
+                                                   ["-p", "0", "-n", str(args.new_tokens), "-d", "128"]),
+                "prefill_512_tokens_per_s": llama_bench(args.llama_bin, gguf, args.threads, ["-p", "512", "-n", "0"]),
+            })
+            print(precision, runs[precision]["eqx_models"][-1]["decode_tokens_per_s"],
+                  runs[precision]["llama.cpp"][-1]["decode_tokens_per_s"], flush=True)
+
+    summary = {}
+    for precision, both in runs.items():
+        best = lambda rows, key: max(row[key] for row in rows)
+        ours_decode, llama_decode = best(both["eqx_models"], "decode_tokens_per_s"), best(both["llama.cpp"],
+                                                                                           "decode_tokens_per_s")
+        summary[precision] = {
+            "eqx_models_decode_tokens_per_s": ours_decode,
+            "llama_cpp_decode_tokens_per_s": llama_decode,
+            "decode_ratio": ours_decode / llama_decode,
+            "eqx_models_fraction_of_floor": max(r["decode_tokens_per_s"] / r["floor_tokens_per_s"]
+                                                for r in both["eqx_models"]),
+            "eqx_models_prefill_512_tokens_per_s": best(both["eqx_models"], "prefill_512_tokens_per_s"),
+            "llama_cpp_prefill_512_tokens_per_s": best(both["llama.cpp"], "prefill_512_tokens_per_s"),
+        }
+    version = subprocess.run([str(args.llama_bin / "llama-bench"), "--version"], capture_output=True, text=True)
+    out = {
+        "benchmark": "quantized",
+        "checkpoint": str(args.checkpoint),
+        "setup": dict(batch=1, prompt=128, new_tokens=args.new_tokens, prefill=512, threads=args.threads,
+                      rounds=args.rounds, note="best round of each system; the two take turns per precision"),
+        "machine": dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
+                        jax=jax.__version__, eqx_models=eqx_models.__version__,
+                        llama_cpp=(version.stdout + version.stderr).strip()),
+        "summary": summary,
+        "runs": runs,
+    }
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "quantized.json").write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
