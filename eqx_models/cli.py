@@ -17,8 +17,10 @@ def _generate(args: argparse.Namespace) -> int:
     from .tokenizer import StreamDecoder, load_tokenizer
 
     started = time.perf_counter()
-    print(f"Loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
-    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision)
+    print(f"Loading {args.model} ({args.dtype}{', ' + args.quantize if args.quantize else ''}) ...", file=sys.stderr,
+          flush=True)
+    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision,
+                            quantize=_quantize_option(args))
     tokenizer = load_tokenizer(args.model, revision=args.revision)
     print(f"Loaded in {time.perf_counter() - started:.1f}s.", file=sys.stderr, flush=True)
 
@@ -77,7 +79,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .tokenizer import load_tokenizer
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision)
+    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision,
+                            quantize=_quantize_option(args))
     tokenizer = load_tokenizer(args.tokenizer or args.model, revision=None if args.tokenizer else args.revision)
     engine = Engine(
         model,
@@ -144,8 +147,13 @@ def _finetune(args: argparse.Namespace) -> int:
     for name in ("steps", "batch_size", "seq_len"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}.")
-    print(f"Loading {args.model} ({args.dtype}) ...", file=sys.stderr, flush=True)
-    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision)
+    if args.quantize and not args.lora_rank:
+        raise ValueError("--quantize trains LoRA adapters on the frozen quantized base (QLoRA); give --lora-rank, "
+                         "or drop --quantize to train every weight.")
+    print(f"Loading {args.model} ({args.dtype}{', ' + args.quantize if args.quantize else ''}) ...", file=sys.stderr,
+          flush=True)
+    model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision,
+                            quantize=_quantize_option(args))
     tokenizer = load_tokenizer(args.model, revision=args.revision)
     limit = model.config.max_position_embeddings
     if args.seq_len > limit:
@@ -189,6 +197,14 @@ def _finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _quantize_option(args) -> dict | None:
+    """`from_pretrained`'s `quantize` for `--quantize`: layers whose width a group of
+    32 does not divide stay float, as llama.cpp's quantizer leaves them."""
+    if not args.quantize:
+        return None
+    return dict(bits=int(args.quantize[3:]), keep_indivisible=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
     parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
@@ -208,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="Weight dtype (default float32: CPUs without bfloat16 matmuls run it fastest).",
     )
+    gen.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                     help="Quantize the weights while loading (int8/int4 in groups of 32, llama.cpp's Q8_0/Q4_0 shape).")
     gen.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
     gen.set_defaults(run=_generate)
@@ -226,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     pool.add_argument("--num-pages", type=int, default=None, help="KV cache pages in the pool.")
     pool.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (instead of --num-pages).")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                       help="Quantize the weights while loading (int8/int4 in groups of 32, llama.cpp's Q8_0/Q4_0 shape).")
     serve.add_argument("--seed", type=int, default=0, help="Seeds requests that bring no seed.")
     serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
@@ -262,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seq-len", type=int, default=256, help="Tokens per packed row.")
     tune.add_argument("--remat", choices=["none", "dots", "full"], default="none", help="Rematerialisation policy.")
     tune.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    tune.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                      help="Train LoRA adapters on a base quantized while loading (QLoRA); the saved model is "
+                           "the merged sum, quantized again.")
     tune.add_argument("--seed", type=int, default=0)
     tune.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     tune.set_defaults(run=_finetune)

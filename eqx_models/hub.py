@@ -237,8 +237,10 @@ def from_pretrained(
     saved = hf_config.pop("quantization_config", None)
     saved_spec = None if saved is None else spec_from_hf(saved, str(config_path))
     spec = None if quantize is None else spec_for(quantize)
-    if saved_spec is not None and spec is not None and spec != saved_spec:
-        raise ValueError(f"{folder} is already quantized ({saved_spec}); drop quantize= to load it as it is.")
+    if saved_spec is not None and spec is not None:
+        if (spec.bits, spec.group_size) != (saved_spec.bits, saved_spec.group_size):
+            raise ValueError(f"{folder} is already quantized ({saved_spec}); drop quantize= to load it as it is.")
+        spec = None  # loaded as saved
     arch = architecture_for(hf_config)
     config = arch.config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)

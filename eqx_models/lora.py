@@ -8,6 +8,7 @@ weights they adapt, saved and loaded in PEFT's layout.
     merged = merge_lora(model)            # plain weights again, for save_pretrained
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from safetensors.numpy import load_file, save_file
 from .hub import _hf_names, _leaf_names
 from .models import architecture_for
 from .nn.linear import Linear, project
+from .quantization import QuantizedWeight, quantize_weight
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -129,6 +131,11 @@ def apply_lora(
         bound = 1 / math.sqrt(in_features)
         a = jax.random.uniform(k, (*lead, rank, in_features), minval=-bound, maxval=bound).astype(linear.weight.dtype)
         b = jnp.zeros((*lead, out_features, rank), linear.weight.dtype)
+        where = jax.tree.leaves(linear.weight)[0].sharding
+        if isinstance(where, jax.sharding.SingleDeviceSharding):
+            # Committed like the base weights (and a train step's outputs): jit
+            # would otherwise compile the step again after the first call.
+            a, b = jax.device_put((a, b), where)
         adapted.append(LoraLinear(linear, a, b, scaling))
     return eqx.tree_at(lambda m: [_node(m, p) for _, p in chosen], model, adapted)
 
@@ -154,7 +161,9 @@ def _replace(model, adapters, replacements):
 
 def merge_lora(model):
     """`model` with each adapter folded into its base weight (`W + scaling * B @ A`):
-    plain `Linear` layers again, for `save_pretrained` or faster inference."""
+    plain `Linear` layers again, for `save_pretrained` or faster inference. A
+    quantized base (QLoRA) is dequantized, summed and quantized again with its
+    own settings."""
     adapters = _adapters(model)
     if not adapters:
         return model
@@ -163,7 +172,14 @@ def merge_lora(model):
         delta = node.scaling * jnp.einsum("...or,...ri->...oi", node.lora_B.astype(jnp.float32),
                                           node.lora_A.astype(jnp.float32))
         base = node.base
-        merged.append(eqx.tree_at(lambda l: l.weight, base, (base.weight.astype(jnp.float32) + delta).astype(base.weight.dtype)))
+        if isinstance(base.weight, QuantizedWeight):  # QLoRA: the sum quantized again, as the base was
+            w = base.weight
+            weight = quantize_weight(w.dequantize(jnp.float32) + delta, w.bits, w.group_size, scale_dtype=w.scales.dtype,
+                                     activations=w.activations, axes=w.axes)
+            weight = dataclasses.replace(weight, float_dtype=w.float_dtype)
+        else:
+            weight = (base.weight.astype(jnp.float32) + delta).astype(base.weight.dtype)
+        merged.append(eqx.tree_at(lambda l: l.weight, base, weight))
     return _replace(model, adapters, merged)
 
 

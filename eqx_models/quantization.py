@@ -205,7 +205,7 @@ def _child(node, key):
 
 def quantize(
     model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, activations: str = "int8",
-    embeddings: bool = True, lm_head: bool = True,
+    embeddings: bool = True, lm_head: bool = True, keep_indivisible: bool = False,
 ):
     """`model` with its linear weights (and embedding table) replaced by `QuantizedWeight`s.
 
@@ -221,6 +221,9 @@ def quantize(
         embeddings: also quantize the token embedding table (rows are dequantized
             as they are looked up; a tied head reads it quantized too).
         lm_head: also quantize an untied output head.
+        keep_indivisible: leave float the layers whose input width `group_size`
+            does not divide (llama.cpp falls back the same way) instead of
+            raising.
 
     Returns:
         The quantized model. Kept in their dtype: norms, biases, routers, expert
@@ -242,6 +245,15 @@ def quantize(
         if isinstance(node, Embedding):
             keep = keep or not embeddings
         elif node.axes[0] == "router" or node.weight.ndim > 3:
+            keep = True
+        if not keep and node.weight.shape[-1] % group_size:
+            if not keep_indivisible:
+                raise ValueError(
+                    f"group_size={group_size} does not divide the input width {node.weight.shape[-1]} of "
+                    f"{jax.tree_util.keystr(path)}; pick a group size that does "
+                    f"({[g for g in GROUP_SIZES if node.weight.shape[-1] % g == 0] or 'none of ' + str(GROUP_SIZES)}), "
+                    "or pass keep_indivisible=True to leave such layers float."
+                )
             keep = True
         if not keep:
             axes = ("vocab", "embed") if isinstance(node, Embedding) else node.axes
@@ -276,16 +288,18 @@ class QuantizationSpec:
     activations: str = "int8"
     embeddings: bool = True
     lm_head: bool = True
+    keep_indivisible: bool = False
 
     def options(self) -> dict:
         return dict(bits=self.bits, group_size=self.group_size, scale_dtype=jnp.dtype(self.scale_dtype),
-                    activations=self.activations, embeddings=self.embeddings, lm_head=self.lm_head)
+                    activations=self.activations, embeddings=self.embeddings, lm_head=self.lm_head,
+                    keep_indivisible=self.keep_indivisible)
 
     def to_hf(self) -> dict:
         """The `quantization_config` entry of `config.json`."""
         return dict(quant_method=FORMAT, format_version=FORMAT_VERSION, bits=self.bits, group_size=self.group_size,
                     scale_dtype=self.scale_dtype, activations=self.activations, embeddings=self.embeddings,
-                    lm_head=self.lm_head)
+                    lm_head=self.lm_head, keep_indivisible=self.keep_indivisible)
 
 
 def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
@@ -295,7 +309,7 @@ def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
     if isinstance(quantize, str):
         if quantize not in PRESETS:
             raise ValueError(f"quantize={quantize!r} is not known; use one of {sorted(PRESETS)} (or a mapping of "
-                             "bits, group_size, scale_dtype, activations, embeddings, lm_head).")
+                             "bits, group_size, scale_dtype, activations, embeddings, lm_head, keep_indivisible).")
         return QuantizationSpec(**PRESETS[quantize])
     return QuantizationSpec(**dict(quantize))
 
@@ -316,8 +330,8 @@ def spec_from_hf(entry: dict, where: str) -> QuantizationSpec:
             f"{where} holds an eqx_models quantized checkpoint of layout version {version!r}; this version of "
             f"eqx_models reads version {FORMAT_VERSION}. Upgrade eqx_models, or re-quantize from the float checkpoint."
         )
-    fields = {k: entry[k] for k in ("bits", "group_size", "scale_dtype", "activations", "embeddings", "lm_head")
-              if k in entry}
+    names = [f.name for f in dataclasses.fields(QuantizationSpec)]
+    fields = {k: entry[k] for k in names if k in entry}
     return QuantizationSpec(**fields)
 
 
@@ -338,10 +352,15 @@ def spec_of(model) -> QuantizationSpec | None:
     (bits, group_size, scale_dtype, activations), = formats
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
+    from .nn.linear import Linear
+
+    float_layers = [n for n in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, Linear))
+                    if isinstance(n, Linear) and not isinstance(n.weight, QuantizedWeight)]
     return QuantizationSpec(
         bits, group_size, scale_dtype, activations,
         embeddings=embed is not None and isinstance(embed.weight, QuantizedWeight),
         lm_head=head is not None and isinstance(head.weight, QuantizedWeight),
+        keep_indivisible=any(layer.weight.shape[-1] % group_size for layer in float_layers),
     )
 
 

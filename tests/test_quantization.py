@@ -380,3 +380,58 @@ def test_quantized_checkpoints_of_other_formats_and_versions_are_refused(float_c
         eqx_models.from_pretrained(float_checkpoint, quantize="int3")
     with pytest.raises(ValueError, match="group_size=128 does not divide the input width 64"):
         eqx_models.from_pretrained(float_checkpoint, quantize=dict(bits=8, group_size=128))
+
+
+def test_layers_a_group_does_not_divide_are_refused_or_kept_float():
+    from conftest import STORIES, require_fixture
+
+    stories = eqx_models.from_pretrained(require_fixture(STORIES))  # intermediate_size 172
+    with pytest.raises(ValueError, match="does not divide the input width 172 of .*down_proj.*keep_indivisible=True"):
+        quantize(stories, bits=8)
+    kept = quantize(stories, bits=8, keep_indivisible=True)
+    assert not is_quantized(kept.model.layers.mlp.down_proj.weight) and is_quantized(kept.model.layers.mlp.up_proj.weight)
+
+
+def test_qlora_trains_adapters_on_the_frozen_packed_base_and_compiles_once(float_checkpoint, tmp_path):
+    import optax
+
+    from eqx_models.lora import apply_lora, lora_filter, merge_lora
+    from eqx_models.training import make_train_step
+
+    base = eqx_models.from_pretrained(float_checkpoint, quantize="int4")
+    model = apply_lora(base, rank=4, targets="q_proj|v_proj|down_proj", key=jax.random.key(0))
+    before = np.asarray(base.model.layers.self_attn.q_proj.weight.packed).copy()  # the step donates its inputs
+    init, step = make_train_step(optax.adam(3e-2), trainable=lora_filter(model))
+    opt_state = init(model)
+    ids = np.tile(np.arange(16, dtype=np.int32) % 97, (4, 1))
+    compiles, losses = [], []
+    listener = lambda event, duration, **_: compiles.append(event) if event.endswith("backend_compile_duration") else None
+    for i in range(12):
+        if i == 1:
+            jax.monitoring.register_event_duration_secs_listener(listener)
+        model, opt_state, metrics = step(model, opt_state, {"input_ids": ids, "labels": ids})
+        losses.append(float(metrics["loss"]))
+    jax.monitoring.unregister_event_duration_listener(listener)
+    assert compiles == [] and losses[-1] < 0.7 * losses[0], losses
+    packed = lambda m: m.model.layers.self_attn.q_proj.base.weight.packed
+    np.testing.assert_array_equal(packed(model), before)
+    merged = merge_lora(model)
+    assert is_quantized(merged.model.layers.self_attn.q_proj.weight)
+    eqx_models.save_pretrained(merged, tmp_path)
+    assert arrays_equal(eqx_models.from_pretrained(tmp_path), merged)
+
+
+def test_the_cli_generates_from_a_model_quantized_while_loading(capsys):
+    from conftest import STORIES, require_fixture
+
+    from eqx_models.cli import main
+
+    path = require_fixture(STORIES)
+    assert main(["generate", str(path), "--prompt", "Once upon a time", "--max-new-tokens", "12", "--quantize",
+                 "int8"]) == 0
+    text = capsys.readouterr().out
+    model = quantize(eqx_models.from_pretrained(path), bits=8, keep_indivisible=True)
+    tokenizer = eqx_models.load_tokenizer(path)
+    ids = tokenizer.encode("Once upon a time")
+    expected = tokenizer.decode(eqx_models.generate(model, ids, max_new_tokens=12)[0].tolist())
+    assert text.strip() == expected.strip()
