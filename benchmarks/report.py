@@ -93,6 +93,39 @@ def plot(decode: dict | None, depth: dict | None, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def quantized_table(quantized: dict) -> str:
+    rows = ["| width | eqx_models decode tok/s | llama.cpp decode tok/s | ratio | eqx_models of its floor "
+            "| eqx_models prefill 512 tok/s | llama.cpp prefill 512 tok/s |", "|---|---|---|---|---|---|---|"]
+    for width, entry in quantized["summary"].items():
+        gguf = quantized["runs"][width]["llama.cpp"][0]["gguf"]
+        rows.append(
+            f"| {width} | {entry['eqx_models_decode_tokens_per_s']:.1f} | {entry['llama_cpp_decode_tokens_per_s']:.1f} "
+            f"({gguf}) | {entry['decode_ratio']:.2f}x | {entry['eqx_models_fraction_of_floor']:.2f} | "
+            f"{entry['eqx_models_prefill_512_tokens_per_s']:.0f} | {entry['llama_cpp_prefill_512_tokens_per_s']:.0f} |"
+        )
+    return "\n".join(rows)
+
+
+def plot_quantized(quantized: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    widths = list(quantized["summary"])
+    bits = {"float32": 32, "bfloat16": 16, "int8": 8, "int4": 4}
+    fig, ax = plt.subplots(figsize=(5, 4))
+    for system, key in (("eqx_models", "eqx_models_decode_tokens_per_s"), ("llama.cpp", "llama_cpp_decode_tokens_per_s")):
+        ax.plot([bits[w] for w in widths], [quantized["summary"][w][key] for w in widths], "o-", label=system)
+    ax.set(xscale="log", xlabel="bits per weight", ylabel="decode tokens/s (batch 1)",
+           title="Qwen3-0.6B shape, 2 threads, same run")
+    ax.set_xticks([4, 8, 16, 32], ["4", "8", "16", "32"])
+    ax.minorticks_off()
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main():
     decode, depth, load_result = load("decode"), load("compile_depth"), load("load")
     if decode:
@@ -117,12 +150,12 @@ def main():
         print("| file written by | library | load s | then reading every weight s | peak RSS growth / weights "
               "| after reading / weights | decode ms/step (b1, one process each: noisy) |\n|---|---|---|---|---|---|---|")
         for run in load_result["runs"]:
-            decode = run.get("decode_ms_per_step_batch1")
+            step_ms = run.get("decode_ms_per_step_batch1")
             print(
                 f"| {run.get('file_written_by', 'transformers')} | {run['library']} | {run['seconds']:.2f} | "
                 f"{run.get('touch_seconds', float('nan')):.2f} | {run['peak_growth'] / weights:.2f} | "
                 f"{run['peak_growth_after_touching_weights'] / weights:.2f} | "
-                f"{'' if decode is None else f'{decode:.0f}'} |"
+                f"{'' if step_ms is None else f'{step_ms:.0f}'} |"
             )
         fresh = [r["seconds"] for r in load_result.get("fresh_memory_runs", [])]
         if fresh:
@@ -169,6 +202,10 @@ def main():
                     + " | ".join(str(counts[op]) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                                             "collective-permute")) + " |"
                 )
+    quantized = load("quantized")
+    if quantized:
+        print("\n" + quantized_table(quantized))
+        plot_quantized(quantized, ROOT / "docs" / "quantized.png")
     plot(decode, depth, ROOT / "docs" / "benchmarks.png")
 
 

@@ -9,6 +9,7 @@ from .hub import CheckpointError, from_pretrained, save_pretrained
 from .models import supported_model_types
 from .nn.causal_lm import CausalLM
 from .paged_cache import PagedKVCache
+from .quantization import quantize
 from .sharding import ShardingRules, shard_model
 from .tokenizer import Tokenizer, load_tokenizer
 from .training import causal_lm_loss, make_train_step
@@ -28,6 +29,7 @@ __all__ = [
     "generate",
     "load_tokenizer",
     "make_train_step",
+    "quantize",
     "save_pretrained",
     "shard_model",
     "stream_generate",

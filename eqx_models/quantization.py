@@ -141,8 +141,18 @@ def quantize_weight(
     `q = clip(round(w / scale) + 8, 0, 15)`. The integers are computed against the
     scale as stored (rounded to `scale_dtype`), so the error is at most half a step
     (a whole step for the int4 value at the clipped end of the range).
-    `activations` ("int8" or "float"): how products with the weight treat their
-    input (see the module docstring).
+
+    Args:
+        weight: the float weight, `[..., out, in]`.
+        bits: 8 or 4.
+        group_size: inputs per scale (32, 64 or 128), dividing `in`.
+        scale_dtype: float16 or bfloat16.
+        activations: "int8" or "float": how products with the weight treat their
+            input (see the module docstring).
+        axes: the logical axes of `(out, in)`, for sharding.
+
+    Returns:
+        The `QuantizedWeight`.
 
     Raises:
         ValueError: bits other than 8 or 4, a group size not in `GROUP_SIZES` or
@@ -187,7 +197,18 @@ def dequantize(
     group_size: int,
     dtype=jnp.float32,
 ) -> Float[Array, "*stack out in"]:
-    """`q * scale` (int8) or `(q - 8) * scale` (int4) as a float array of `dtype`."""
+    """`q * scale` (int8) or `(q - 8) * scale` (int4) as a float array.
+
+    Args:
+        packed: the integers (int8, or two int4 per uint8 byte).
+        scales: one scale per group of `group_size` inputs.
+        bits: 8 or 4.
+        group_size: inputs per scale.
+        dtype: the result's dtype.
+
+    Returns:
+        The float weight, `[..., out, in]`.
+    """
     if bits == 8:
         q = packed.astype(jnp.float32)
     else:

@@ -22,7 +22,7 @@ RUNNER = REPO / "tests" / "doc_blocks.py"
 # Pages whose examples are meant to run; a marker lost in an edit shows up here.
 PAGES_WITH_EXAMPLES = {
     "quickstart.md", "concepts.md", "generation.md", "loading.md", "serving.md",
-    "sharding.md", "finetuning.md", "troubleshooting.md",
+    "sharding.md", "finetuning.md", "troubleshooting.md", "quantization.md",
 }
 
 
