@@ -143,6 +143,16 @@ def test_quantized_matvec_equals_the_float64_product_of_the_dequantized_slice(bi
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("in_features", [96, 160])  # an odd number of blocks: int4 cannot pair them all
+def test_quantized_matvec_with_an_odd_number_of_blocks(bits, in_features):
+    stack = quantize_weight(heavy_tailed((2, 21, in_features), seed=in_features), bits, 32)
+    x = jax.random.normal(jax.random.key(2), (3, in_features))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
+    weight_abs = np.abs(np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, 32), np.float64))
+    close_to_float64(got, product_float64(x, stack, 1), x, weight_abs)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(bits):
     stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16)
               for n in (24, 8, 40)]
@@ -350,7 +360,7 @@ def test_a_saved_quantized_checkpoint_reloads_without_requantizing(float_checkpo
     eqx_models.save_pretrained(quantized, tmp_path)
     entry = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert entry == dict(quant_method="eqx_models", format_version=1, bits=4, group_size=32, scale_dtype="bfloat16",
-                         activations="int8", embeddings=True, lm_head=True)
+                         activations="int8", embeddings=True, lm_head=True, keep_indivisible=False)
     with safe_open(tmp_path / "model.safetensors", "np") as f:
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "U8"
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [128, 32]

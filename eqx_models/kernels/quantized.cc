@@ -114,6 +114,9 @@ struct QuantizedActivations {
   std::vector<int8_t> q;          // [rows, K]
   std::vector<float> scale;       // [rows, K / 32]
   std::vector<float> offset_sum;  // [rows, K / group]
+  // int4 in groups of 32: each pair of blocks again, as [first halves | second
+  // halves], the order in which one 32-byte load of two groups unpacks (see row_vnni).
+  std::vector<int8_t> pairs;      // [rows, K] or empty
   int64_t rows, K;
 
   QuantizedActivations(const float* x, int64_t rows, int64_t K, int64_t group, int offset)
@@ -121,21 +124,77 @@ struct QuantizedActivations {
     for (int64_t b = 0; b < rows; ++b)
       for (int64_t j = 0; j < K / kBlock; ++j) {
         const float* xs = x + b * K + j * kBlock;
-        float amax = 0;
-        for (int64_t i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xs[i]));
+        int8_t* out = q.data() + b * K + j * kBlock;
+        const float amax = block_max(xs);
         const float inverse = amax > 0 ? 127.0f / amax : 0.0f;
-        int32_t sum = 0;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const int8_t v = static_cast<int8_t>(std::nearbyint(xs[i] * inverse));
-          q[b * K + j * kBlock + i] = v;
-          sum += v;
-        }
+        const int32_t sum = round_block(xs, inverse, out);
         const float dx = amax / 127.0f;
         scale[b * (K / kBlock) + j] = dx;
         offset_sum[b * (K / group) + j * kBlock / group] += static_cast<float>(offset) * dx * static_cast<float>(sum);
       }
+    if (offset == 8 && group == kBlock && (K / kBlock) % 2 == 0) {
+      pairs.resize(rows * K);
+      for (int64_t b = 0; b < rows; ++b)
+        for (int64_t j = 0; j < K; j += 2 * kBlock) {
+          const int8_t* from = q.data() + b * K + j;
+          int8_t* to = pairs.data() + b * K + j;
+          for (int i = 0; i < 16; ++i) {
+            to[i] = from[i];            // block 0, inputs 0..15
+            to[16 + i] = from[32 + i];  // block 1, inputs 0..15
+            to[32 + i] = from[16 + i];  // block 0, inputs 16..31
+            to[48 + i] = from[48 + i];  // block 1, inputs 16..31
+          }
+        }
+    }
   }
+
+  // These run once per call for every input: scalar they cost ~10% of an int8
+  // decode step (a layer's four calls round ~7K inputs), so 16 lanes at a time
+  // where the CPU has them, with the same rounding (to nearest, ties to even).
+  static float block_max(const float* xs);
+  static int32_t round_block(const float* xs, float inverse, int8_t* out);
 };
+
+#if defined(__x86_64__)
+__attribute__((target("avx512f,avx512bw"))) float block_max_avx512(const float* xs) {
+  const __m512 a = _mm512_abs_ps(_mm512_loadu_ps(xs)), b = _mm512_abs_ps(_mm512_loadu_ps(xs + 16));
+  return _mm512_reduce_max_ps(_mm512_max_ps(a, b));
+}
+
+__attribute__((target("avx512f,avx512bw"))) int32_t round_block_avx512(const float* xs, float inverse, int8_t* out) {
+  const __m512 scale = _mm512_set1_ps(inverse);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const __m512i a = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xs), scale), kNearest));
+  const __m512i b = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xs + 16), scale), kNearest));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(a));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(b));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+}
+
+const bool kRoundAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                          std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr;
+#endif
+
+float QuantizedActivations::block_max(const float* xs) {
+#if defined(__x86_64__)
+  if (kRoundAvx512) return block_max_avx512(xs);
+#endif
+  float amax = 0;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::fmax(amax, std::fabs(xs[i]));
+  return amax;
+}
+
+int32_t QuantizedActivations::round_block(const float* xs, float inverse, int8_t* out) {
+#if defined(__x86_64__)
+  if (kRoundAvx512) return round_block_avx512(xs, inverse, out);
+#endif
+  int32_t sum = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    out[i] = static_cast<int8_t>(std::nearbyint(xs[i] * inverse));
+    sum += out[i];
+  }
+  return sum;
+}
 
 // Integer sums, portable: y[b, n] = sum_g dw_g (sum_j in g dx_j sum_i wq_i xq_i).
 void rows_portable_int(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int bits,
@@ -345,6 +404,29 @@ AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64
     for (int b = 0; b < B; ++b) acc[u][b] = _mm256_setzero_ps();
   const int8_t* xq = a.q.data() + b0 * K;
   int64_t j = 0;
+  if constexpr (Bits == 4) {
+    if (!a.pairs.empty()) {
+      // Two groups of 32 per 32-byte load: the low nibbles are both groups' first
+      // halves, the high ones their second halves; `pairs` holds the inputs in that
+      // order, so each product lands in the lanes of its group (0-3 and 4-7).
+      const __m256i nibbles = _mm256_set1_epi8(0x0F);
+      const int8_t* xp = a.pairs.data() + b0 * K;
+      for (; j + 2 <= blocks; j += 2) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + j * 16));
+        const __m256i lo = _mm256_and_si256(bytes, nibbles);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibbles);
+        for (int b = 0; b < B; ++b) {
+          const int8_t* x = xp + b * K + j * kBlock;
+          __m256i sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo,
+                                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x)));
+          sums = _mm256_dpbusd_epi32(sums, hi, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32)));
+          const float* s = both + b * blocks + j;
+          const __m256 scales = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(s[0])), _mm_set1_ps(s[1]), 1);
+          acc[0][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scales, acc[0][b]);
+        }
+      }
+    }
+  }
   for (; j + U <= blocks; j += U)
     for (int u = 0; u < U; ++u) {
       const int64_t block = j + u, gb = block >> shift;  // group sizes 32, 64, 128
