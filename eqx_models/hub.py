@@ -16,6 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .config import load_json
+from .gguf_file import find_gguf, load_gguf
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
 from .quantization import QuantizationSpec, quantize_weight, spec_for, spec_from_hf, spec_of
@@ -183,10 +184,13 @@ def from_pretrained(
     """Loads a Hugging Face checkpoint into a stacked `CausalLM`.
 
     Args:
-        name_or_path: a local folder (with `config.json` and safetensors) or a hub
-            repo id such as `"Qwen/Qwen3-0.6B"`.
+        name_or_path: a local folder (with `config.json` and safetensors), a hub
+            repo id such as `"Qwen/Qwen3-0.6B"`, or a llama.cpp GGUF file (or a
+            folder holding one and no `config.json`): config and weights come from
+            the file, Q8_0 / Q4_0 weights stay packed (see `docs/loading.md`).
         dtype: dtype for the floating-point weights (`jnp.float32`, `"bfloat16"`, ...);
-            None keeps the checkpoint's.
+            None keeps the checkpoint's (for GGUF: float32, or bfloat16 when most
+            weights are BF16 or K-quants).
         revision: hub branch, tag or commit.
         scan_layers: run the layers under `jax.lax.scan` (True) or unrolled (False).
         mesh: a `jax.sharding.Mesh` with axes named from `data`, `fsdp`, `tensor`,
@@ -226,6 +230,10 @@ def from_pretrained(
     """
     if sharding is not None and mesh is None:
         raise ValueError("sharding= needs mesh=: pass the jax.sharding.Mesh to lay the model out on.")
+    gguf_path = find_gguf(name_or_path)
+    if gguf_path is not None:
+        return load_gguf(gguf_path, dtype=dtype, scan_layers=scan_layers, mesh=mesh, sharding=sharding,
+                         quantize=quantize)
     if quantize is not None and mesh is not None:
         raise ValueError("quantize= with mesh= is not supported yet: load on one device, or load the float model "
                          "on the mesh.")

@@ -21,6 +21,7 @@ the exact product with the dequantized weight).
 """
 
 import dataclasses
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -224,6 +225,36 @@ def _child(node, key):
     return node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key]
 
 
+def quantizable_layers(model, *, embeddings: bool = True, lm_head: bool = True) -> list[tuple[tuple, Any, tuple]]:
+    """The `Linear` and `Embedding` layers of `model` whose weights `quantize`
+    replaces: `(path, layer, logical axes of its (out, in) weight)` each.
+
+    Passed over: weights already quantized, routers, expert stacks
+    (`[layers, experts, out, in]`), the weights a module lists in its
+    `float_children`, and the embedding table or an untied head when `embeddings`
+    or `lm_head` is False.
+    """
+    from .nn.linear import Embedding, Linear
+
+    is_layer = lambda node: isinstance(node, (Linear, Embedding))
+    found = []
+    for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)[0]:
+        if not is_layer(node) or isinstance(node.weight, QuantizedWeight):
+            continue
+        parent = model
+        for key in path[:-1]:
+            parent = _child(parent, key)
+        name = getattr(path[-1], "name", None)
+        keep = name in getattr(parent, "float_children", ()) or (name == "lm_head" and not lm_head)
+        if isinstance(node, Embedding):
+            keep = keep or not embeddings
+        elif node.axes[0] == "router" or node.weight.ndim > 3:
+            keep = True
+        if not keep:
+            found.append((tuple(path), node, ("vocab", "embed") if isinstance(node, Embedding) else node.axes))
+    return found
+
+
 def quantize(
     model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, activations: str = "int8",
     embeddings: bool = True, lm_head: bool = True, keep_indivisible: bool = False,
@@ -251,23 +282,9 @@ def quantize(
         stacks (`[layers, experts, out, in]`), and the weights a module lists in
         its `float_children` (those it reads other than through `Linear`).
     """
-    from .nn.linear import Embedding, Linear
-
-    is_layer = lambda node: isinstance(node, (Linear, Embedding))
     swaps = []
-    for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_layer)[0]:
-        if not is_layer(node) or isinstance(node.weight, QuantizedWeight):
-            continue
-        parent = model
-        for key in path[:-1]:
-            parent = _child(parent, key)
-        name = getattr(path[-1], "name", None)
-        keep = name in getattr(parent, "float_children", ()) or (name == "lm_head" and not lm_head)
-        if isinstance(node, Embedding):
-            keep = keep or not embeddings
-        elif node.axes[0] == "router" or node.weight.ndim > 3:
-            keep = True
-        if not keep and node.weight.shape[-1] % group_size:
+    for path, node, axes in quantizable_layers(model, embeddings=embeddings, lm_head=lm_head):
+        if node.weight.shape[-1] % group_size:
             if not keep_indivisible:
                 raise ValueError(
                     f"group_size={group_size} does not divide the input width {node.weight.shape[-1]} of "
@@ -275,12 +292,10 @@ def quantize(
                     f"({[g for g in GROUP_SIZES if node.weight.shape[-1] % g == 0] or 'none of ' + str(GROUP_SIZES)}), "
                     "or pass keep_indivisible=True to leave such layers float."
                 )
-            keep = True
-        if not keep:
-            axes = ("vocab", "embed") if isinstance(node, Embedding) else node.axes
-            swaps.append((path, quantize_weight(
-                node.weight, bits, group_size, scale_dtype=scale_dtype, activations=activations, axes=axes
-            )))
+            continue
+        swaps.append((path, quantize_weight(
+            node.weight, bits, group_size, scale_dtype=scale_dtype, activations=activations, axes=axes
+        )))
     for path, weight in swaps:
         def where(m, path=path):
             for key in path:
@@ -290,6 +305,17 @@ def quantize(
         model = eqx.tree_at(where, model, weight)
     return model
 
+
+
+def with_activations(model, activations: str):
+    """`model` with every quantized weight's products taking their inputs as
+    `activations` says: "int8" (rounded per block of 32, the fast CPU path) or
+    "float" (the exact product with the dequantized weight)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}.")
+    is_quantized = lambda node: isinstance(node, QuantizedWeight)
+    swap = lambda node: dataclasses.replace(node, activations=activations) if is_quantized(node) else node
+    return jax.tree.map(swap, model, is_leaf=is_quantized)
 
 # ----------------------------------------------------------- checkpoint layout
 

@@ -11,6 +11,7 @@ import jinja2.sandbox
 import tokenizers
 
 from .config import eos_ids, load_json
+from .gguf_file import GGUFFile, find_gguf
 from .hub import TOKENIZER_FILES, resolve_model_dir
 
 
@@ -156,8 +157,9 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, revision: str | None = No
     """Loads the tokenizer of a hub repo id or local folder.
 
     Args:
-        name_or_path: a local folder or a hub repo id; it needs `tokenizer.json`
-            (fast tokenizers), and reads `tokenizer_config.json`,
+        name_or_path: a local folder or a hub repo id, or a GGUF file (its
+            vocabulary rebuilt, see `eqx_models.gguf_tokenizer`). A folder needs
+            `tokenizer.json` (fast tokenizers), and reads `tokenizer_config.json`,
             `special_tokens_map.json`, `generation_config.json`, `config.json` and a
             chat template when they are there.
         revision: hub branch, tag or commit.
@@ -166,6 +168,11 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, revision: str | None = No
         A `Tokenizer` with EOS ids from `generation_config.json`, else `config.json`,
         else the tokenizer's `eos_token`.
     """
+    gguf_path = find_gguf(name_or_path)
+    if gguf_path is not None:
+        from .gguf_tokenizer import gguf_tokenizer
+
+        return gguf_tokenizer(GGUFFile(gguf_path))
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=TOKENIZER_FILES)
     path = folder / "tokenizer.json"
     if not path.exists():

@@ -1,0 +1,409 @@
+"""llama.cpp's GGUF files in: the config, the weights and the tokenizer of one file.
+
+Read through the `gguf` package's memory-mapped reader. Q8_0 and Q4_0 matrices keep
+their integers and float16 scales (`QuantizedWeight` holds the same blocks, split
+into an integer array and a scale array); F32, F16 and BF16 tensors are taken as
+they are; every other type the `gguf` package can dequantize (the K-quants among
+them) is dequantized to the model's float dtype.
+
+GGUF stores tensors with their dimensions reversed (`ne[0]` is the innermost), so a
+`[out, in]` weight's bytes are laid out as the Hugging Face tensor's. The llama
+architecture's converter interleaves the rotary halves of the query and key rows
+(llama.cpp rotates adjacent pairs); loading undoes that, so the model computes
+with Hugging Face's split-half rotation.
+"""
+
+import os
+from pathlib import Path
+from typing import Any
+
+import equinox as eqx
+import jax
+import ml_dtypes
+import numpy as np
+
+from .config import ConfigError
+from .nn.rope import inverse_frequencies
+from .safetensors_file import CheckpointError, aligned_empty
+
+# GGUF `general.architecture` -> Hugging Face `model_type`.
+ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3moe": "qwen3_moe"}
+# Our module paths (inside a layer, or at the top) -> GGUF tensor base names.
+LAYER_TENSORS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.experts.gate_proj": "ffn_gate_exps",
+    "mlp.experts.up_proj": "ffn_up_exps",
+    "mlp.experts.down_proj": "ffn_down_exps",
+}
+GLOBAL_TENSORS = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+LAYER_PREFIX = "model.layers."
+# Llama 3.x's rope scaling other than `factor`, the values every release uses; the
+# file holds only the per-frequency divisors they produce, checked against these.
+LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def _gguf():
+    try:
+        import gguf
+    except ImportError as e:
+        raise ImportError(
+            "Reading GGUF files needs the `gguf` package (llama.cpp's reader): pip install gguf "
+            "(or pip install 'eqx_models[gguf]')."
+        ) from e
+    return gguf
+
+
+def find_gguf(name_or_path: str | os.PathLike) -> Path | None:
+    """The GGUF file `name_or_path` names: a `.gguf` file, or a folder without
+    `config.json` that holds exactly one. None when it names neither.
+
+    Raises:
+        FileNotFoundError: a folder with several GGUF files (which one is ambiguous).
+    """
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path if path.suffix == ".gguf" else None
+    if not path.is_dir() or (path / "config.json").exists():
+        return None
+    files = sorted(path.glob("*.gguf"))
+    if len(files) > 1:
+        raise FileNotFoundError(
+            f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); pass the one to load."
+        )
+    return files[0] if files else None
+
+
+class GGUFFile:
+    """One GGUF file, memory-mapped: its metadata and tensors.
+
+    Args:
+        path: the `.gguf` file.
+
+    Raises:
+        CheckpointError: not a GGUF file, or one that is truncated or corrupt.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        gguf = _gguf()
+        self.path = Path(path)
+        try:
+            self.reader = gguf.GGUFReader(self.path)
+        except (ValueError, IndexError, KeyError, OverflowError) as e:
+            size = self.path.stat().st_size
+            raise CheckpointError(
+                f"{self.path} ({size:,} bytes) is not a readable GGUF file: {e}. It may be truncated or corrupt "
+                "(an interrupted download): fetch or convert it again."
+            ) from e
+        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
+        self.architecture = self.value("general.architecture")
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """The metadata value under `key` (strings decoded, arrays as lists)."""
+        field = self.reader.get_field(key)
+        return default if field is None else field.contents()
+
+    def arch_value(self, key: str, default: Any = None) -> Any:
+        """The value of `<architecture>.<key>`."""
+        return self.value(f"{self.architecture}.{key}", default)
+
+    def type_name(self, name: str) -> str:
+        return self.tensors[name].tensor_type.name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape in numpy order (`[out, in]` for a weight)."""
+        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+
+    def float_array(self, name: str) -> np.ndarray:
+        """A tensor as a float array of its shape: F32, F16 and BF16 as stored,
+        quantized types dequantized to float32 by the `gguf` package."""
+        gguf = _gguf()
+        tensor = self.tensors[name]
+        kind = tensor.tensor_type
+        types = gguf.GGMLQuantizationType
+        if kind in (types.F32, types.F16):
+            return tensor.data.reshape(self.shape(name))
+        if kind == types.BF16:
+            return tensor.data.view(np.uint16).view(ml_dtypes.bfloat16).reshape(self.shape(name))
+        try:
+            return gguf.quants.dequantize(tensor.data, kind).reshape(self.shape(name))
+        except NotImplementedError as e:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is of type {kind.name}, which the gguf package cannot dequantize. "
+                "Re-quantize the model with llama-quantize to Q8_0, Q4_0 or a K-quant (Q4_K_M, Q6_K, ...)."
+            ) from e
+
+    def blocks(self, name: str) -> tuple[int, np.ndarray, np.ndarray]:
+        """A Q8_0 or Q4_0 tensor split into `(bits, integers, scales)`: the bytes
+        of each block after its float16 scale, and the scales, `[rows, groups]`."""
+        kind = self.type_name(name)
+        bits = {"Q8_0": 8, "Q4_0": 4}[kind]
+        rows, width = self.shape(name)[0], self.shape(name)[-1]
+        per_block = 32 * bits // 8
+        raw = self.tensors[name].data.reshape(-1, width // 32, 2 + per_block)
+        scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
+        integers = raw[..., 2:].reshape(-1, width * bits // 8)
+        return bits, integers.view(np.int8) if bits == 8 else integers, scales
+
+
+def hf_config(file: GGUFFile) -> dict[str, Any]:
+    """The Hugging Face `config.json` the file's metadata describes.
+
+    Raises:
+        ConfigError: an architecture not in `ARCHITECTURES`, or settings (partial
+            rotary, rope scaling kinds, per-layer head counts) with no HF equivalent here.
+    """
+    arch = file.architecture
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{file.path} holds a {arch!r} model; GGUF loading reads {sorted(ARCHITECTURES)}. Load the original "
+            "Hugging Face checkpoint instead (from_pretrained(repo or folder)), which covers more families."
+        )
+
+    def need(key):
+        value = file.arch_value(key)
+        if value is None:
+            raise ConfigError(f"{file.path} has no {arch}.{key} in its metadata; the file is incomplete.")
+        if isinstance(value, list):
+            raise ConfigError(f"{file.path}: {arch}.{key} varies by layer ({value[:4]}...), which is not supported.")
+        return value
+
+    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
+    head_dim = int(file.arch_value("attention.key_length", hidden // heads))
+    if int(file.arch_value("attention.value_length", head_dim)) != head_dim:
+        raise ConfigError(f"{file.path}: keys and values of different widths are not supported.")
+    if int(file.arch_value("rope.dimension_count", head_dim)) != head_dim:
+        raise ConfigError(f"{file.path}: rotary embedding on part of each head is not supported for {arch!r}.")
+    vocab = file.shape("token_embd.weight")[0]
+    hf = dict(
+        model_type=ARCHITECTURES[arch],
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_hidden_layers=int(need("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(file.arch_value("attention.head_count_kv", heads)),
+        head_dim=head_dim,
+        max_position_embeddings=int(need("context_length")),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(file.arch_value("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(file, head_dim),
+        tie_word_embeddings="output.weight" not in file.tensors,
+        bos_token_id=file.value("tokenizer.ggml.bos_token_id"),
+        eos_token_id=file.value("tokenizer.ggml.eos_token_id"),
+        hidden_act="silu",
+    )
+    if arch == "llama":
+        hf.update(attention_bias="blk.0.attn_q.bias" in file.tensors, mlp_bias=False)
+    if arch == "qwen3moe":
+        hf.update(
+            num_experts=int(need("expert_count")),
+            num_experts_per_tok=int(need("expert_used_count")),
+            moe_intermediate_size=int(need("expert_feed_forward_length")),
+            # llama.cpp renormalises the top-k weights of every qwen3moe model.
+            norm_topk_prob=True,
+        )
+        hf["intermediate_size"] = int(file.arch_value("feed_forward_length", hf["moe_intermediate_size"]))
+    else:
+        hf["intermediate_size"] = int(need("feed_forward_length"))
+    return hf
+
+
+def _rope_scaling(file: GGUFFile, head_dim: int) -> dict | None:
+    kind = file.arch_value("rope.scaling.type", "none")
+    factor = file.arch_value("rope.scaling.factor")
+    if "rope_freqs.weight" in file.tensors:
+        return _llama3_scaling(file, head_dim)
+    if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
+        return None
+    if kind == "linear":
+        return dict(rope_type="linear", factor=float(factor))
+    if kind == "yarn":
+        original = file.arch_value("rope.scaling.original_context_length")
+        return dict(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original))
+    raise ConfigError(f"{file.path}: rope scaling {kind!r} is not supported (none, linear, yarn and Llama 3's are).")
+
+
+def _llama3_scaling(file: GGUFFile, head_dim: int) -> dict:
+    """Llama 3's rope scaling from the per-frequency divisors the file holds."""
+    divisors = file.float_array("rope_freqs.weight").astype(np.float32)
+    theta = float(file.arch_value("rope.freq_base", 10000.0))
+    scaling = dict(rope_type="llama3", factor=float(divisors.max()), **LLAMA3_ROPE)
+    plain = inverse_frequencies(head_dim, theta, None)
+    ours = inverse_frequencies(head_dim, theta, tuple(scaling.items()))
+    if divisors.shape != ours.shape or not np.allclose(plain / divisors, ours, rtol=1e-5):
+        raise ConfigError(
+            f"{file.path} carries rope_freqs that Llama 3's scaling with {LLAMA3_ROPE} does not reproduce; "
+            "load the Hugging Face checkpoint, whose config states the scaling."
+        )
+    return scaling
+
+
+def gguf_names(ours: str, stacked: tuple[int, ...]) -> list[str] | None:
+    """The GGUF tensors of one of our leaves (one per layer for the layer stack),
+    or None when the file format has no name for it."""
+    module, param = ours.rsplit(".", 1)
+    if module.startswith(LAYER_PREFIX):
+        base = LAYER_TENSORS.get(module[len(LAYER_PREFIX):])
+        return None if base is None else [f"blk.{i}.{base}.{param}" for i in range(stacked[0])]
+    base = GLOBAL_TENSORS.get(module)
+    return None if base is None else [f"{base}.{param}"]
+
+
+def _interleaved_heads(file: GGUFFile, name: str) -> int | None:
+    """For the llama architecture's query and key tensors, the head count their
+    rows were interleaved by; None for every other tensor."""
+    if file.architecture != "llama":
+        return None
+    if ".attn_q." in name:
+        return int(file.arch_value("attention.head_count"))
+    if ".attn_k." in name:
+        return int(file.arch_value("attention.head_count_kv", file.arch_value("attention.head_count")))
+    return None
+
+
+def _split_halves(rows: np.ndarray, heads: int | None) -> np.ndarray:
+    """Rows back in Hugging Face's order: within each head, the first of every
+    rotated pair, then the second."""
+    if heads is None:
+        return rows
+    return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+PACKED_TYPES = ("Q8_0", "Q4_0")
+KEPT_FLOAT = ("F32", "F16")
+
+
+def default_dtype(file: GGUFFile) -> np.dtype:
+    """float32, unless most matrix weights are BF16 or of a type that is
+    dequantized (K-quants and the rest): then bfloat16."""
+    weights = [t for t in file.reader.tensors if len(t.shape) > 1]
+    compact = sum(int(t.n_elements) for t in weights if t.tensor_type.name not in (*PACKED_TYPES, *KEPT_FLOAT))
+    return np.dtype(ml_dtypes.bfloat16 if 2 * compact > sum(int(t.n_elements) for t in weights) else np.float32)
+
+
+def load_leaves(file: GGUFFile, skeleton, packable: dict[tuple, Any], dtype: np.dtype) -> tuple[list, dict]:
+    """Every leaf of `skeleton` read from the file.
+
+    Returns the arrays in leaf order, and for the weights in `packable` whose every
+    tensor is Q8_0 (or every one Q4_0) `{path: (bits, integers, scales)}`; those
+    leaves' entries in the first list are None. Tensors the file has and the model
+    does not use, or the other way round, raise `CheckpointError` (all listed).
+    """
+    from .hub import _checkpoint_name
+
+    leaves = jax.tree_util.tree_flatten_with_path(skeleton)[0]
+    problems, consumed, plan = [], set(), []
+    for path, leaf in leaves:
+        names = gguf_names(_checkpoint_name(path), leaf.shape)
+        stacked = leaf.shape[:1] if len(names or ()) > 1 or _checkpoint_name(path).startswith(LAYER_PREFIX) else ()
+        expected = leaf.shape[len(stacked):]
+        for name in names or ["(no GGUF name for " + _checkpoint_name(path) + ")"]:
+            if name not in file.tensors:
+                problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
+            elif file.shape(name) != tuple(expected):
+                problems.append(f"tensor {name} has shape {file.shape(name)}, expected {tuple(expected)}")
+        consumed.update(names or ())
+        plan.append((path, names, stacked))
+    derived = {"rope_freqs.weight"}
+    problems += [f"unexpected tensor {n} {file.shape(n)}" for n in sorted(set(file.tensors) - consumed - derived)]
+    if problems:
+        listing = "\n  ".join(problems[:40]) + (f"\n  ... and {len(problems) - 40} more" if len(problems) > 40 else "")
+        raise CheckpointError(f"{file.path} does not hold the {file.architecture} model its metadata describes:\n  "
+                              + listing)
+
+    arrays, packed = [], {}
+    for path, names, stacked in plan:
+        kinds = {file.type_name(n) for n in names}
+        if tuple(path) in packable and len(kinds) == 1 and kinds <= set(PACKED_TYPES):
+            packed[tuple(path)] = _read_blocks(file, names, stacked)
+            arrays.append(None)
+        else:
+            arrays.append(_read_floats(file, names, stacked, dtype))
+    return arrays, packed
+
+
+def _read_floats(file: GGUFFile, names: list[str], stacked: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    out = aligned_empty((*stacked, *file.shape(names[0])), np.dtype(dtype))
+    parts = out.reshape(-1, *file.shape(names[0]))
+    for i, name in enumerate(names):
+        parts[i] = _split_halves(file.float_array(name), _interleaved_heads(file, name))
+    return out
+
+
+def _read_blocks(file: GGUFFile, names: list[str], stacked: tuple[int, ...]):
+    bits, first, first_scales = file.blocks(names[0])
+    integers = aligned_empty((*stacked, *first.shape), first.dtype)
+    scales = aligned_empty((*stacked, *first_scales.shape), np.dtype(np.float16))
+    integer_parts, scale_parts = integers.reshape(-1, *first.shape), scales.reshape(-1, *first_scales.shape)
+    for i, name in enumerate(names):
+        _, q, s = file.blocks(name)
+        heads = _interleaved_heads(file, name)
+        integer_parts[i], scale_parts[i] = _split_halves(q, heads), _split_halves(s, heads)
+    return bits, integers, scales
+
+
+def read_generation_eos(file: GGUFFile) -> tuple[int, ...]:
+    """The ids that end generation: the EOS token and an end-of-turn token if the
+    file names one."""
+    ids = [file.value(f"tokenizer.ggml.{key}") for key in ("eos_token_id", "eot_token_id", "eom_token_id")]
+    return tuple(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+
+def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sharding=None, quantize=None):
+    """`from_pretrained` for a GGUF file (see there for the arguments).
+
+    Q8_0 and Q4_0 weights load packed as `QuantizedWeight`s (int8 activations, as
+    llama.cpp computes them) wherever `eqx_models.quantize` would quantize; a leaf
+    whose layers mix types, and every other tensor, loads as floats in `dtype`
+    (default: `default_dtype`).
+    """
+    from .models import architecture_for
+    from .nn.causal_lm import CausalLM
+    from .quantization import QuantizedWeight, quantizable_layers, spec_for
+    from .quantization import quantize as quantize_model
+    from .sharding import placement_for
+
+    file = GGUFFile(path)
+    config = architecture_for(hf := hf_config(file)).config_from_hf(hf)
+    dtype = default_dtype(file) if dtype is None else np.dtype(dtype)
+    skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
+    packable = {(*path, jax.tree_util.GetAttrKey("weight")): axes for path, _, axes in quantizable_layers(skeleton)}
+    arrays, packed = load_leaves(file, skeleton, packable, dtype)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
+    from .hub import _to_jax
+
+    model = jax.tree_util.tree_unflatten(treedef, [
+        jax.numpy.zeros((), leaf.dtype) if array is None else _to_jax(array)
+        for (_, leaf), array in zip(leaves, arrays)
+    ])
+    for leaf_path, (bits, integers, scales) in packed.items():
+        weight = QuantizedWeight(_to_jax(integers), _to_jax(scales), bits, 32, packable[leaf_path], dtype)
+        model = eqx.tree_at(lambda m, leaf_path=leaf_path: _at(m, leaf_path), model, weight)
+    if quantize is not None:
+        if packed:
+            raise ValueError(f"{path} is already quantized ({len(packed)} packed weights); drop quantize=.")
+        model = quantize_model(model, **spec_for(quantize).options())
+    if mesh is not None:
+        if packed or quantize is not None:
+            raise ValueError("A quantized model cannot be placed on a mesh yet: load it on one device.")
+        model = model.with_placement(placement_for(config, mesh, sharding))
+    return model
+
+
+def _at(tree, path):
+    from .quantization import _child
+
+    for key in path:
+        tree = _child(tree, key)
+    return tree
