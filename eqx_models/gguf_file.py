@@ -237,15 +237,20 @@ def _llama3_scaling(file: GGUFFile, head_dim: int) -> dict:
     """Llama 3's rope scaling from the per-frequency divisors the file holds."""
     divisors = file.float_array("rope_freqs.weight").astype(np.float32)
     theta = float(file.arch_value("rope.freq_base", 10000.0))
-    scaling = dict(rope_type="llama3", factor=float(divisors.max()), **LLAMA3_ROPE)
     plain = inverse_frequencies(head_dim, theta, None)
-    ours = inverse_frequencies(head_dim, theta, tuple(scaling.items()))
-    if divisors.shape != ours.shape or not np.allclose(plain / divisors, ours, rtol=1e-5):
-        raise ConfigError(
-            f"{file.path} carries rope_freqs that Llama 3's scaling with {LLAMA3_ROPE} does not reproduce; "
-            "load the Hugging Face checkpoint, whose config states the scaling."
-        )
-    return scaling
+    candidates = [LLAMA3_ROPE["original_max_position_embeddings"]]
+    if file.arch_value("rope.scaling.original_context_length"):
+        candidates.insert(0, int(file.arch_value("rope.scaling.original_context_length")))
+    for original in candidates:
+        scaling = dict(LLAMA3_ROPE, rope_type="llama3", factor=float(divisors.max()),
+                       original_max_position_embeddings=int(original))
+        ours = inverse_frequencies(head_dim, theta, tuple(scaling.items()))
+        if divisors.shape == ours.shape and np.allclose(plain / divisors, ours, rtol=1e-5):
+            return scaling
+    raise ConfigError(
+        f"{file.path} carries rope_freqs that Llama 3's scaling with {LLAMA3_ROPE} does not reproduce; "
+        "load the Hugging Face checkpoint, whose config states the scaling."
+    )
 
 
 def gguf_names(ours: str, stacked: tuple[int, ...]) -> list[str] | None:

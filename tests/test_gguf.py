@@ -156,6 +156,32 @@ def test_qwen3_gguf_logits_tokenizer_and_chat_template(files):
     assert ours_tok.decode([151644, 151667], skip_special_tokens=True) == "<think>"  # user-defined, not special
 
 
+FAMILIES = {
+    "qwen2": dict(model_type="qwen2", tokenizer=QWEN_TOKENIZER, vocab_size=151936),
+    "qwen3_moe": dict(model_type="qwen3_moe", tokenizer=QWEN_TOKENIZER, vocab_size=151936, num_experts=4,
+                      num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    # The converter writes Llama 3's scaling as per-frequency divisors (rope_freqs).
+    "llama3_rope": dict(model_type="llama", tokenizer=STORIES, vocab_size=512, rope_scaling=dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=8192), max_position_embeddings=16384),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_match_transformers(family, tmp_path):
+    settings = dict(FAMILIES[family])
+    model_type, tokenizer = settings.pop("model_type"), settings.pop("tokenizer")
+    folder = tmp_path / family
+    make_checkpoint(folder, tiny_config(model_type, hidden_size=64, intermediate_size=96, **settings))
+    for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
+        if (tokenizer / name).exists():
+            shutil.copy(tokenizer / name, folder)
+    path = convert(folder, tmp_path / f"{family}.gguf")
+    model = eqx_models.from_pretrained(path)
+    ids = np.asarray([[1, 403, 407, 261, 378, 297, 410, 296]])
+    np.testing.assert_allclose(ours(model, ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("scan_layers", [True, False])
 def test_q4_0_file_loads_packed(files, scan_layers):
     """Every matrix Q4_0 (as `llama-quantize --pure`), by llama.cpp's reference
