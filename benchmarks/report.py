@@ -126,6 +126,27 @@ def plot_quantized(quantized: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def quality_table(quality: dict) -> str:
+    """Perplexity, KL and agreement of each width, ours beside llama.cpp's, per model."""
+    number = lambda value, digits: "" if value is None else f"{value:.{digits}f}"
+    blocks = []
+    for model, entry in quality["models"].items():
+        rows = [f"{model}: {entry['text_tokens']} tokens, chunks of {quality['ctx']}, second halves scored", "",
+                "| weights | read by | perplexity | mean KL vs float32 | same top token % | greedy agreement / 200 % "
+                "| greedy leaves float32 at |",
+                "|---|---|---:|---:|---:|---:|---:|"]
+        for name, r in entry["eqx_models"].items():
+            first = r["greedy_first_divergence"]
+            rows.append(f"| {name} | eqx_models | {r['perplexity']:.4f} | {number(r['mean_kl_vs_float32'], 6)} | "
+                        f"{r['same_top_token_pct']:.1f} | {r['greedy_agreement_200_pct']:.1f} | "
+                        f"{'never' if first is None else first} |")
+        for name, r in entry["llama_cpp"].items():
+            rows.append(f"| {name} | llama.cpp | {r['perplexity']:.4f} | {number(r.get('mean_kl_vs_float32'), 6)} | "
+                        f"{number(r.get('same_top_token_pct'), 1)} | | |")
+        blocks.append("\n".join(rows))
+    return "\n\n".join(blocks)
+
+
 def main():
     decode, depth, load_result = load("decode"), load("compile_depth"), load("load")
     if decode:
@@ -202,6 +223,9 @@ def main():
                     + " | ".join(str(counts[op]) for op in ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                                                             "collective-permute")) + " |"
                 )
+    quality = load("quality")
+    if quality:
+        print("\n" + quality_table(quality))
     quantized = load("quantized")
     if quantized:
         print("\n" + quantized_table(quantized))

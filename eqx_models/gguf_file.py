@@ -1,6 +1,7 @@
 """llama.cpp's GGUF files in: the config, the weights and the tokenizer of one file.
 
-Read through the `gguf` package's memory-mapped reader. Q8_0 and Q4_0 matrices keep
+The file is memory-mapped and its header parsed here; the `gguf` package (llama.cpp's
+Python library) supplies the tensor types and the dequantization. Q8_0 and Q4_0 matrices keep
 their integers and float16 scales (`QuantizedWeight` holds the same blocks, split
 into an integer array and a scale array); F32, F16 and BF16 tensors are taken as
 they are; every other type the `gguf` package can dequantize (the K-quants among
@@ -13,9 +14,11 @@ architecture's converter interleaves the rotary halves of the query and key rows
 with Hugging Face's split-half rotation.
 """
 
+import mmap
 import os
+import struct
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -84,6 +87,60 @@ def find_gguf(name_or_path: str | os.PathLike) -> Path | None:
     return files[0] if files else None
 
 
+class GGUFTensor(NamedTuple):
+    """One tensor's entry: its type, numpy-order shape and stored bytes (mapped)."""
+
+    name: str
+    tensor_type: Any  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    n_elements: int
+    data: np.ndarray
+
+
+# GGUF metadata value types (the file format's numbering) -> struct formats.
+SCALAR_TYPES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+STRING, ARRAY = 8, 9
+GGUF_MAGIC = b"GGUF"
+
+
+class _Header:
+    """A little-endian GGUF header read from the front of a mapped file. (The `gguf`
+    package's own reader builds numpy arrays for every string of a vocabulary:
+    18 s and 700 MB for Qwen's 151,936 tokens and 294,166 merges.)"""
+
+    def __init__(self, buffer: np.ndarray):
+        self.buffer, self.offset = memoryview(buffer), 0
+
+    def take(self, size: int) -> memoryview:
+        if self.offset + size > len(self.buffer):
+            raise ValueError(f"the header runs past the end of the file at byte {self.offset + size:,}")
+        piece = self.buffer[self.offset : self.offset + size]
+        self.offset += size
+        return piece
+
+    def scalar(self, kind: int):
+        form = "<" + SCALAR_TYPES[kind]
+        return struct.unpack(form, self.take(struct.calcsize(form)))[0]
+
+    def string(self) -> str:
+        return str(self.take(self.scalar(10)), "utf-8", errors="replace")
+
+    def value(self, kind: int):
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY:
+            inner, count = self.scalar(4), self.scalar(10)
+            if inner == STRING:
+                return [self.string() for _ in range(count)]
+            if inner not in SCALAR_TYPES:
+                raise ValueError(f"unknown array element type {inner}")
+            form = f"<{count}{SCALAR_TYPES[inner]}"
+            return list(struct.unpack(form, self.take(struct.calcsize(form))))
+        if kind not in SCALAR_TYPES:
+            raise ValueError(f"unknown metadata value type {kind}")
+        return self.scalar(kind)
+
+
 class GGUFFile:
     """One GGUF file, memory-mapped: its metadata and tensors.
 
@@ -91,27 +148,75 @@ class GGUFFile:
         path: the `.gguf` file.
 
     Raises:
-        CheckpointError: not a GGUF file, or one that is truncated or corrupt.
+        CheckpointError: not a GGUF file, a big-endian one, or one that is
+            truncated or corrupt.
     """
 
     def __init__(self, path: str | os.PathLike):
         gguf = _gguf()
         self.path = Path(path)
         try:
-            self.reader = gguf.GGUFReader(self.path)
-        except (ValueError, IndexError, KeyError, OverflowError) as e:
+            self.mapped = np.memmap(self.path, np.uint8, mode="r")
+            self.metadata, self.tensors = self._read(self.mapped, gguf)
+        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
             size = self.path.stat().st_size
             raise CheckpointError(
                 f"{self.path} ({size:,} bytes) is not a readable GGUF file: {e}. It may be truncated or corrupt "
                 "(an interrupted download): fetch or convert it again."
             ) from e
-        self.tensors = {tensor.name: tensor for tensor in self.reader.tensors}
         self.architecture = self.value("general.architecture")
+
+    def _read(self, mapped: np.ndarray, gguf) -> tuple[dict, dict]:
+        header = _Header(mapped)
+        if bytes(header.take(4)) != GGUF_MAGIC:
+            raise ValueError("it does not start with the GGUF magic")
+        version = header.scalar(4)
+        if version not in (2, 3):
+            raise ValueError(f"GGUF version {version} (big-endian, or unknown); versions 2 and 3 are read")
+        tensor_count, kv_count = header.scalar(10), header.scalar(10)
+        metadata = {}
+        for _ in range(kv_count):
+            key = header.string()
+            metadata[key] = header.value(header.scalar(4))
+        infos = []
+        for _ in range(tensor_count):
+            name = header.string()
+            dims = [header.scalar(10) for _ in range(header.scalar(4))]
+            infos.append((name, dims, gguf.GGMLQuantizationType(header.scalar(4)), header.scalar(10)))
+        alignment = int(metadata.get("general.alignment", 32))
+        start = -(-header.offset // alignment) * alignment
+        tensors = {}
+        for name, dims, kind, offset in infos:
+            block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            shape = tuple(int(d) for d in reversed(dims))
+            count = int(np.prod(shape))
+            nbytes = count // block * block_bytes
+            begin = start + offset
+            if begin + nbytes > len(mapped):
+                raise ValueError(f"tensor {name} ({nbytes:,} bytes at {begin:,}) runs past the end of the file")
+            raw = mapped[begin : begin + nbytes]
+            if kind.name in ("F32", "F16"):
+                data = raw.view(np.float32 if kind.name == "F32" else np.float16).reshape(shape)
+            else:
+                data = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
+            tensors[name] = GGUFTensor(name, kind, shape, count, data)
+        return metadata, tensors
+
+    def release(self, names: list[str]) -> None:
+        """Drops the file's pages behind these tensors from the process (after they
+        are copied), so loading holds the model and one leaf of the file, not the
+        whole file beside the model."""
+        for name in names:
+            data = self.tensors[name].data
+            begin = data.ctypes.data - self.mapped.ctypes.data
+            first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+            last = (begin + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if last > first:
+                self.mapped._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def value(self, key: str, default: Any = None) -> Any:
         """The metadata value under `key` (strings decoded, arrays as lists)."""
-        field = self.reader.get_field(key)
-        return default if field is None else field.contents()
+        return self.metadata.get(key, default)
 
     def arch_value(self, key: str, default: Any = None) -> Any:
         """The value of `<architecture>.<key>`."""
@@ -122,7 +227,7 @@ class GGUFFile:
 
     def shape(self, name: str) -> tuple[int, ...]:
         """A tensor's shape in numpy order (`[out, in]` for a weight)."""
-        return tuple(int(d) for d in reversed(self.tensors[name].shape.tolist()))
+        return self.tensors[name].shape
 
     def float_array(self, name: str) -> np.ndarray:
         """A tensor as a float array of its shape: F32, F16 and BF16 as stored,
@@ -291,7 +396,7 @@ KEPT_FLOAT = ("F32", "F16")
 def default_dtype(file: GGUFFile) -> np.dtype:
     """float32, unless most matrix weights are BF16 or of a type that is
     dequantized (K-quants and the rest): then bfloat16."""
-    weights = [t for t in file.reader.tensors if len(t.shape) > 1]
+    weights = [t for t in file.tensors.values() if len(t.shape) > 1]
     compact = sum(int(t.n_elements) for t in weights if t.tensor_type.name not in (*PACKED_TYPES, *KEPT_FLOAT))
     return np.dtype(ml_dtypes.bfloat16 if 2 * compact > sum(int(t.n_elements) for t in weights) else np.float32)
 
@@ -334,6 +439,7 @@ def load_leaves(file: GGUFFile, skeleton, packable: dict[tuple, Any], dtype: np.
             arrays.append(None)
         else:
             arrays.append(_read_floats(file, names, stacked, dtype))
+        file.release(names)
     return arrays, packed
 
 
