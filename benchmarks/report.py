@@ -137,11 +137,11 @@ def quality_table(quality: dict) -> str:
                 "|---|---|---:|---:|---:|---:|---:|"]
         for name, r in entry["eqx_models"].items():
             first = r["greedy_first_divergence"]
-            rows.append(f"| {name} | eqx_models | {r['perplexity']:.4f} | {number(r['mean_kl_vs_float32'], 6)} | "
+            rows.append(f"| {name} | eqx_models | {r['perplexity']:.5g} | {number(r['mean_kl_vs_float32'], 6)} | "
                         f"{r['same_top_token_pct']:.1f} | {r['greedy_agreement_200_pct']:.1f} | "
                         f"{'never' if first is None else first} |")
         for name, r in entry["llama_cpp"].items():
-            rows.append(f"| {name} | llama.cpp | {r['perplexity']:.4f} | {number(r.get('mean_kl_vs_float32'), 6)} | "
+            rows.append(f"| {name} | llama.cpp | {r['perplexity']:.5g} | {number(r.get('mean_kl_vs_float32'), 6)} | "
                         f"{number(r.get('same_top_token_pct'), 1)} | | |")
         blocks.append("\n".join(rows))
     return "\n\n".join(blocks)

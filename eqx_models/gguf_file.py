@@ -156,9 +156,11 @@ class GGUFFile:
         gguf = _gguf()
         self.path = Path(path)
         try:
-            self.mapped = np.memmap(self.path, np.uint8, mode="r")
+            with open(self.path, "rb") as handle:
+                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self.mapped = np.frombuffer(self._map, np.uint8)
             self.metadata, self.tensors = self._read(self.mapped, gguf)
-        except (ValueError, IndexError, KeyError, OverflowError, UnicodeDecodeError) as e:
+        except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:
             size = self.path.stat().st_size
             raise CheckpointError(
                 f"{self.path} ({size:,} bytes) is not a readable GGUF file: {e}. It may be truncated or corrupt "
@@ -212,7 +214,7 @@ class GGUFFile:
             first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
             last = (begin + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
             if last > first:
-                self.mapped._mmap.madvise(mmap.MADV_DONTNEED, first, last - first)
+                self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def value(self, key: str, default: Any = None) -> Any:
         """The metadata value under `key` (strings decoded, arrays as lists)."""

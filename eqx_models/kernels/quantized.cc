@@ -15,7 +15,8 @@
 //      weight, up to the order of additions.
 //   1: activations quantized too, per block of 32 inputs of a row (llama.cpp's Q8_0:
 //      xq = round(x * 127 / max|x|), dx = max|x| / 127), and the products summed in
-//      integers (AVX-512 VNNI `vpdpbusd`, 32 products in one instruction), each
+//      integers (AVX-512 VNNI `vpdpbusd`, 32 products in one instruction; on AVX2
+//      `vpmaddubsw` + `vpmaddwd`), each
 //      block's integer sum scaled by dw * dx in float32. This is the product of the
 //      dequantized weight with the dequantized activations; it reads the same bytes
 //      with about a third of the instructions.
@@ -487,6 +488,102 @@ AVX512_VNNI void rows_vnni(const Weights& w, const QuantizedActivations& a, int6
   }
 }
 
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// Block `i` (32 inputs) of group `g` of a weight row as signed bytes q, in input order.
+template <int Bits>
+AVX2 inline __m256i signed_block(const uint8_t* row, int64_t g, int64_t i, int64_t group) {
+  if constexpr (Bits == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * group + i * kBlock));
+  } else {
+    const int64_t half = group / 2, start = i * kBlock;
+    const uint8_t* bytes = row + g * half;
+    const __m128i low_nibbles = _mm_set1_epi8(0x0F);
+    __m256i nibbles;
+    if (half == 16) {  // the block is the whole group: low nibbles, then high ones
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes));
+      nibbles = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_and_si128(b, low_nibbles)),
+                                        _mm_and_si128(_mm_srli_epi16(b, 4), low_nibbles), 1);
+    } else {
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bytes + (start < half ? start : start - half)));
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      nibbles = start < half ? _mm256_and_si256(b, mask) : _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+    }
+    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+  }
+}
+
+AVX2 inline float scale_avx2(const Weights& w, int64_t n, int64_t g, int64_t groups) {
+  const uint16_t s = w.scales[n * groups + g];
+  return w.half ? _cvtsh_ss(s) : to_float(s);
+}
+
+// Without VNNI (AVX2 only): `vpmaddubsw` multiplies unsigned by signed bytes into
+// saturating 16-bit pair sums, so the weights go in as |q| and each activation
+// takes q's sign (|q| * sign(q) x: at most 2 * 128 * 127, no saturation); a
+// `vpmaddwd` by ones widens the pairs to the 8 lanes of 32-bit sums. The weights
+// are read signed, so no offset comes off at the end. Block `k` of the row into
+// the B sums `acc`.
+template <int Bits, int B>
+AVX2 inline void block_avx2(const uint8_t* row, const QuantizedActivations& a, int64_t b0, const float* dw,
+                            int64_t group, int64_t k, __m256* acc) {
+  const int64_t K = a.K, blocks = K / kBlock, per_group = group / kBlock, g = k / per_group;
+  const __m256i wv = signed_block<Bits>(row, g, k - g * per_group, group);
+  const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+  for (int b = 0; b < B; ++b) {
+    const int8_t* xq = a.q.data() + (b0 + b) * K + k * kBlock;
+    const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
+    const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    const float both = dw[g] * a.scale[(b0 + b) * blocks + k];
+    acc[b] = _mm256_fmadd_ps(sums, _mm256_set1_ps(both), acc[b]);
+  }
+}
+
+// One weight row against B activation rows; U blocks at a time keep independent
+// sums in flight.
+template <int Bits, int B>
+AVX2 void row_avx2(const Weights& w, const QuantizedActivations& a, int64_t b0, int64_t n, int64_t group,
+                   float* dw) {
+  constexpr int U = B >= 4 ? 1 : 4 / B;
+  const int64_t K = a.K, groups = K / group, blocks = K / kBlock;
+  const uint8_t* row = w.packed + n * (K * Bits / 8);
+  for (int64_t g = 0; g < groups; ++g) dw[g] = scale_avx2(w, n, g, groups);
+  __m256 acc[U][B];
+  for (int u = 0; u < U; ++u)
+    for (int b = 0; b < B; ++b) acc[u][b] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + U <= blocks; j += U)
+    for (int u = 0; u < U; ++u) block_avx2<Bits, B>(row, a, b0, dw, group, j + u, acc[u]);
+  for (; j < blocks; ++j) block_avx2<Bits, B>(row, a, b0, dw, group, j, acc[0]);
+  for (int b = 0; b < B; ++b) {
+    __m256 total = acc[0][b];
+    for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][b]);
+    const __m128 half_sum = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+    __m128 sum = _mm_add_ps(half_sum, _mm_movehl_ps(half_sum, half_sum));
+    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    w.out[(b0 + b) * w.N + n] = _mm_cvtss_f32(sum);
+  }
+}
+
+template <int Bits>
+AVX2 void rows_avx2(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int64_t group) {
+  std::vector<float> dw(a.K / group);
+  for (int64_t b0 = 0; b0 < a.rows; b0 += 4) {
+    for (int64_t n = n0; n < n1; ++n) {
+      switch (a.rows - b0 < 4 ? a.rows - b0 : 4) {
+        case 1: row_avx2<Bits, 1>(w, a, b0, n, group, dw.data()); break;
+        case 2: row_avx2<Bits, 2>(w, a, b0, n, group, dw.data()); break;
+        case 3: row_avx2<Bits, 3>(w, a, b0, n, group, dw.data()); break;
+        default: row_avx2<Bits, 4>(w, a, b0, n, group, dw.data()); break;
+      }
+    }
+  }
+}
+
+const bool kHasAvx2 = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && __builtin_cpu_supports("avx2") &&
+                      __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+
 const bool kHasVnni = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
@@ -497,11 +594,13 @@ const bool kHasAvx512 = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr &&
 #else
 const bool kHasAvx512 = false;
 const bool kHasVnni = false;
+const bool kHasAvx2 = false;
 #endif
 
 void rows_int(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int bits, int64_t group) {
 #if defined(__x86_64__)
   if (kHasVnni) return bits == 8 ? rows_vnni<8>(w, a, n0, n1, group) : rows_vnni<4>(w, a, n0, n1, group);
+  if (kHasAvx2) return bits == 8 ? rows_avx2<8>(w, a, n0, n1, group) : rows_avx2<4>(w, a, n0, n1, group);
 #endif
   rows_portable_int(w, a, n0, n1, bits, group);
 }
