@@ -189,24 +189,29 @@ def test_quantized_matvec_differentiates_in_the_activations_and_scales():
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5 * np.abs(want).max())
 
 
-def test_portable_quantized_loops_equal_the_float64_product():
+@pytest.mark.parametrize("path", ["EQX_MODELS_KERNELS_PORTABLE", "EQX_MODELS_KERNELS_AVX2"])
+def test_portable_and_avx2_quantized_loops_equal_the_float64_product(path):
+    """The paths a CPU without AVX-512 takes, forced on this one (in a fresh process:
+    the kernel library picks its path once)."""
     script = """
 import jax, jax.numpy as jnp, numpy as np
 from eqx_models.kernels import kernels_status, quantized_matvecs
 from eqx_models.quantization import dequantize, quantize_activations, quantize_weight
 assert kernels_status() == "ready"
-for bits, rows, activations in [(8, 1, "int8"), (4, 3, "int8"), (8, 3, "float"), (4, 1, "float")]:
-    stack = quantize_weight(jax.random.normal(jax.random.key(bits), (2, 19, 128)) * 0.1, bits, 64,
+cases = [(8, 1, "int8", 64), (4, 3, "int8", 64), (4, 5, "int8", 32), (8, 6, "int8", 128), (4, 2, "int8", 128),
+         (8, 3, "float", 64), (4, 1, "float", 64)]
+for bits, rows, activations, group in cases:
+    stack = quantize_weight(jax.random.normal(jax.random.key(bits), (2, 19, 256)) * 0.1, bits, group,
                             activations=activations)
-    x = jax.random.normal(jax.random.key(rows), (rows, 128))
+    x = jax.random.normal(jax.random.key(rows), (rows, 256))
     (got,) = quantized_matvecs(x, (stack,), jnp.int32(1))
-    w = np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, 64), np.float64)
+    w = np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, group), np.float64)
     inputs = quantize_activations(x) if activations == "int8" else x
     want = np.asarray(inputs, np.float64) @ w.T
     bound = 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(w).T) + 1e-6
     assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), (bits, rows, activations)
 """
-    env = dict(os.environ, EQX_MODELS_KERNELS_PORTABLE="1")
+    env = dict(os.environ, **{path: "1"})
     subprocess.run([sys.executable, "-c", script], env=env, check=True)
 
 

@@ -172,8 +172,11 @@ __attribute__((target("avx512f,avx512bw"))) int32_t round_block_avx512(const flo
   return _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
 }
 
-const bool kRoundAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                          std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr;
+// EQX_MODELS_KERNELS_AVX2 set: the AVX2 paths even where AVX-512 is there (the tests
+// run them on any x86-64 CPU); EQX_MODELS_KERNELS_PORTABLE: the portable loops.
+const bool kAvx512Allowed =
+    std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && std::getenv("EQX_MODELS_KERNELS_AVX2") == nullptr;
+const bool kRoundAvx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && kAvx512Allowed;
 #endif
 
 float QuantizedActivations::block_max(const float* xs) {
@@ -584,11 +587,11 @@ AVX2 void rows_avx2(const Weights& w, const QuantizedActivations& a, int64_t n0,
 const bool kHasAvx2 = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && __builtin_cpu_supports("avx2") &&
                       __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 
-const bool kHasVnni = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
+const bool kHasVnni = kAvx512Allowed && __builtin_cpu_supports("avx512f") &&
                       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                       __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c");
 
-const bool kHasAvx512 = std::getenv("EQX_MODELS_KERNELS_PORTABLE") == nullptr && __builtin_cpu_supports("avx512f") &&
+const bool kHasAvx512 = kAvx512Allowed && __builtin_cpu_supports("avx512f") &&
                         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
                         __builtin_cpu_supports("f16c");
 #else
