@@ -255,7 +255,7 @@ class GGUFFile:
         of each block after its float16 scale, and the scales, `[rows, groups]`."""
         kind = self.type_name(name)
         bits = {"Q8_0": 8, "Q4_0": 4}[kind]
-        rows, width = self.shape(name)[0], self.shape(name)[-1]
+        width = self.shape(name)[-1]
         per_block = 32 * bits // 8
         raw = self.tensors[name].data.reshape(-1, width // 32, 2 + per_block)
         scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
@@ -291,6 +291,8 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         raise ConfigError(f"{file.path}: keys and values of different widths are not supported.")
     if int(file.arch_value("rope.dimension_count", head_dim)) != head_dim:
         raise ConfigError(f"{file.path}: rotary embedding on part of each head is not supported for {arch!r}.")
+    if "token_embd.weight" not in file.tensors:
+        raise ConfigError(f"{file.path} has no token_embd.weight: it holds no whole {arch} model.")
     vocab = file.shape("token_embd.weight")[0]
     hf = dict(
         model_type=ARCHITECTURES[arch],
