@@ -185,7 +185,9 @@ class GGUFFile:
             name = header.string()
             dims = [header.scalar(10) for _ in range(header.scalar(4))]
             infos.append((name, dims, gguf.GGMLQuantizationType(header.scalar(4)), header.scalar(10)))
-        alignment = int(metadata.get("general.alignment", 32))
+        alignment = metadata.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-header.offset // alignment) * alignment
         tensors = {}
         for name, dims, kind, offset in infos:
@@ -277,8 +279,8 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
             "Hugging Face checkpoint instead (from_pretrained(repo or folder)), which covers more families."
         )
 
-    def need(key):
-        value = file.arch_value(key)
+    def need(key, default=None):
+        value = file.arch_value(key, default)
         if value is None:
             raise ConfigError(f"{file.path} has no {arch}.{key} in its metadata; the file is incomplete.")
         if isinstance(value, list):
@@ -286,10 +288,10 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         return value
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    head_dim = int(file.arch_value("attention.key_length", hidden // heads))
-    if int(file.arch_value("attention.value_length", head_dim)) != head_dim:
+    head_dim = int(need("attention.key_length", hidden // heads))
+    if int(need("attention.value_length", head_dim)) != head_dim:
         raise ConfigError(f"{file.path}: keys and values of different widths are not supported.")
-    if int(file.arch_value("rope.dimension_count", head_dim)) != head_dim:
+    if int(need("rope.dimension_count", head_dim)) != head_dim:
         raise ConfigError(f"{file.path}: rotary embedding on part of each head is not supported for {arch!r}.")
     if "token_embd.weight" not in file.tensors:
         raise ConfigError(f"{file.path} has no token_embd.weight: it holds no whole {arch} model.")
@@ -300,7 +302,7 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         hidden_size=hidden,
         num_hidden_layers=int(need("block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(file.arch_value("attention.head_count_kv", heads)),
+        num_key_value_heads=int(need("attention.head_count_kv", heads)),
         head_dim=head_dim,
         max_position_embeddings=int(need("context_length")),
         rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
@@ -338,6 +340,8 @@ def _rope_scaling(file: GGUFFile, head_dim: int) -> dict | None:
         return dict(rope_type="linear", factor=float(factor))
     if kind == "yarn":
         original = file.arch_value("rope.scaling.original_context_length")
+        if original is None:
+            raise ConfigError(f"{file.path}: yarn rope scaling without rope.scaling.original_context_length.")
         return dict(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original))
     raise ConfigError(f"{file.path}: rope scaling {kind!r} is not supported (none, linear, yarn and Llama 3's are).")
 
@@ -398,10 +402,11 @@ KEPT_FLOAT = ("F32", "F16")
 
 
 def default_dtype(file: GGUFFile) -> np.dtype:
-    """float32, unless most matrix weights are BF16 or of a type that is
-    dequantized (K-quants and the rest): then bfloat16."""
+    """float32, unless most matrix weights are BF16 or dequantized (K-quants and
+    the rest, and expert stacks of any quantized type): then bfloat16."""
     weights = [t for t in file.tensors.values() if len(t.shape) > 1]
-    compact = sum(int(t.n_elements) for t in weights if t.tensor_type.name not in (*PACKED_TYPES, *KEPT_FLOAT))
+    kept = lambda t: t.tensor_type.name in KEPT_FLOAT or (t.tensor_type.name in PACKED_TYPES and len(t.shape) == 2)
+    compact = sum(int(t.n_elements) for t in weights if not kept(t))  # expert stacks are never kept packed
     return np.dtype(ml_dtypes.bfloat16 if 2 * compact > sum(int(t.n_elements) for t in weights) else np.float32)
 
 

@@ -64,10 +64,17 @@ def gguf_tokenizer(file: GGUFFile):
                         for i, t in enumerate(types) if t == USER_DEFINED])
     backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
                                 for i, t in enumerate(types) if t in (CONTROL, UNKNOWN)])
-    token = lambda key: None if file.value(key) is None else tokens[int(file.value(key))]
+    def token(key):
+        value = file.value(key)
+        if value is not None and not 0 <= int(value) < len(tokens):
+            raise ValueError(f"{file.path}: {key} = {value} is outside the {len(tokens)}-token vocabulary.")
+        return None if value is None else tokens[int(value)]
+
     bos, eos = token("tokenizer.ggml.bos_token_id"), token("tokenizer.ggml.eos_token_id")
+    # Where the file does not say, llama.cpp adds BOS for SentencePiece and Llama 3 vocabularies.
+    adds_bos = kind == "llama" or file.value("tokenizer.ggml.pre") in ("llama-bpe", "llama3")
     specials = []
-    if bos is not None and file.value("tokenizer.ggml.add_bos_token", False):
+    if bos is not None and file.value("tokenizer.ggml.add_bos_token", adds_bos):
         specials.append((bos, "bos"))
     if eos is not None and file.value("tokenizer.ggml.add_eos_token", False):
         specials.append((eos, "eos"))

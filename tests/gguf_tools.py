@@ -66,7 +66,8 @@ def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
 
 def rewrite(source: Path, out: Path, data_for) -> Path:
     """A copy of the GGUF `source` whose tensors `data_for(name, float_array)`
-    may replace: it returns None (keep), or `(bytes_or_floats, GGMLQuantizationType)`."""
+    may replace: it returns None (keep), False (leave out) or
+    `(bytes_or_floats, GGMLQuantizationType)`."""
     reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(out, reader.get_field("general.architecture").contents())
     for key, field in reader.fields.items():
@@ -79,6 +80,8 @@ def rewrite(source: Path, out: Path, data_for) -> Path:
         floats = gguf.quants.dequantize(tensor.data, tensor.tensor_type).reshape(
             tuple(reversed(tensor.shape.tolist())))
         replacement = data_for(tensor.name, floats)
+        if replacement is False:
+            continue
         if replacement is None:
             writer.add_tensor(tensor.name, np.asarray(tensor.data), raw_dtype=tensor.tensor_type)
         else:

@@ -262,6 +262,10 @@ def test_unknown_architecture_and_quant_type_are_named(files, tmp_path):
     writer.close()
     with pytest.raises(ConfigError, match="'mamba'.*Hugging Face checkpoint"):
         eqx_models.from_pretrained(tmp_path / "mamba.gguf")
+    path = rewrite(files["stories_f32"], tmp_path / "no-embedding.gguf",
+                   lambda name, x: False if name == "token_embd.weight" else None)
+    with pytest.raises(ConfigError, match="no token_embd.weight"):
+        eqx_models.from_pretrained(path)
 
     def as_q8_1(name, x):  # a type the gguf package cannot dequantize
         if name == "blk.0.attn_v.weight":
