@@ -461,14 +461,15 @@ def _read_floats(file: GGUFFile, names: list[str], stacked: tuple[int, ...], dty
 
 
 def _read_blocks(file: GGUFFile, names: list[str], stacked: tuple[int, ...]):
-    bits, first, first_scales = file.blocks(names[0])
-    integers = aligned_empty((*stacked, *first.shape), first.dtype)
-    scales = aligned_empty((*stacked, *first_scales.shape), np.dtype(np.float16))
-    integer_parts, scale_parts = integers.reshape(-1, *first.shape), scales.reshape(-1, *first_scales.shape)
+    integers = scales = None
     for i, name in enumerate(names):
-        _, q, s = file.blocks(name)
+        bits, q, s = file.blocks(name)
+        if integers is None:
+            integers = aligned_empty((*stacked, *q.shape), q.dtype)
+            scales = aligned_empty((*stacked, *s.shape), np.dtype(np.float16))
         heads = _interleaved_heads(file, name)
-        integer_parts[i], scale_parts[i] = _split_halves(q, heads), _split_halves(s, heads)
+        integers.reshape(-1, *q.shape)[i] = _split_halves(q, heads)
+        scales.reshape(-1, *s.shape)[i] = _split_halves(s, heads)
     return bits, integers, scales
 
 

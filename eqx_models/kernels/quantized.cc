@@ -345,6 +345,16 @@ AVX512 void rows_avx512(const Weights& w, const float* x, int64_t rows, int64_t 
   }
 }
 
+// The sum of all lanes of the U accumulators of activation row b.
+template <int U, int B>
+__attribute__((target("avx2"))) inline float lane_sum(const __m256 (&acc)[U][B], int b) {
+  __m256 total = acc[0][b];
+  for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][b]);
+  const __m128 half_sum = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  __m128 sum = _mm_add_ps(half_sum, _mm_movehl_ps(half_sum, half_sum));
+  return _mm_cvtss_f32(_mm_add_ss(sum, _mm_movehdup_ps(sum)));
+}
+
 #define AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma")))
 
 // Block `i` (32 inputs) of group `g` of weight row `row`, as unsigned bytes
@@ -451,11 +461,7 @@ AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64
     }
   }
   for (int b = 0; b < B; ++b) {
-    __m256 total = acc[0][b];
-    for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][b]);
-    const __m128 half_sum = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-    __m128 sum = _mm_add_ps(half_sum, _mm_movehl_ps(half_sum, half_sum));
-    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
+    const float sum = lane_sum<U, B>(acc, b);
     const float* offsets = a.offset_sum.data() + (b0 + b) * groups;
     __m512 offset16 = _mm512_setzero_ps();
     int64_t gg = 0;
@@ -463,7 +469,7 @@ AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64
       offset16 = _mm512_fmadd_ps(_mm512_loadu_ps(dw + gg), _mm512_loadu_ps(offsets + gg), offset16);
     float offset = _mm512_reduce_add_ps(offset16);
     for (; gg < groups; ++gg) offset += dw[gg] * offsets[gg];
-    w.out[(b0 + b) * w.N + n] = _mm_cvtss_f32(sum) - offset;
+    w.out[(b0 + b) * w.N + n] = sum - offset;
   }
 }
 
@@ -560,12 +566,7 @@ AVX2 void row_avx2(const Weights& w, const QuantizedActivations& a, int64_t b0, 
     for (int u = 0; u < U; ++u) block_avx2<Bits, B>(row, a, b0, dw, group, j + u, acc[u]);
   for (; j < blocks; ++j) block_avx2<Bits, B>(row, a, b0, dw, group, j, acc[0]);
   for (int b = 0; b < B; ++b) {
-    __m256 total = acc[0][b];
-    for (int u = 1; u < U; ++u) total = _mm256_add_ps(total, acc[u][b]);
-    const __m128 half_sum = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-    __m128 sum = _mm_add_ps(half_sum, _mm_movehl_ps(half_sum, half_sum));
-    sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-    w.out[(b0 + b) * w.N + n] = _mm_cvtss_f32(sum);
+    w.out[(b0 + b) * w.N + n] = lane_sum<U, B>(acc, b);
   }
 }
 
