@@ -3,10 +3,44 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .config import DecoderConfig
 from .kernels import decode_attention, write_slots
+
+# The dtypes a cache stores its keys and values in. "int8" keeps one float32 scale
+# per token and head beside the integers (about half of bfloat16's bytes at
+# head_dim 128), see `quantize_rows`.
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+
+
+def resolve_cache_dtype(dtype) -> jnp.dtype:
+    """`dtype` as a cache dtype, or a ValueError naming the ones there are."""
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        resolved = None
+    if resolved is None or resolved.name not in CACHE_DTYPES:
+        raise ValueError(f"A KV cache dtype must be one of {', '.join(CACHE_DTYPES)}; got {dtype!r}.")
+    return resolved
+
+
+def quantize_rows(x: Float[Array, "*rows width"]) -> tuple[Int[Array, "*rows width"], Float[Array, " *rows"]]:
+    """Symmetric int8 of each row of `x` with one float32 scale per row: `x ~ q * scale`.
+
+    The scale is the row's largest magnitude over 127, so the largest entry is
+    exact to float32 rounding and the others within half a step; a row of zeros
+    gets scale 0.
+    """
+    x = x.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    safe = jnp.where(scale > 0, scale, 1.0)[..., None]
+    return jnp.clip(jnp.round(x / safe), -127, 127).astype(jnp.int8), scale
+
+
+def dequantize_rows(q: Int[Array, "*rows width"], scale: Float[Array, " *rows"], dtype=jnp.float32) -> Array:
+    """`q * scale` per row, in `dtype` (what `quantize_rows` stored)."""
+    return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
 class StateView(eqx.Module):
@@ -45,21 +79,36 @@ class LayerKV(eqx.Module):
     the cache's recurrent state, or is None.
     """
 
-    keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
-    values: Float[Array, "layers batch kv_heads kv_seq value_dim"]
+    keys: Shaped[Array, "layers batch kv_heads kv_seq head_dim"]
+    values: Shaped[Array, "layers batch kv_heads kv_seq value_dim"]
     index: Int[Array, ""]
     state: StateView | None = None
+    key_scales: Float[Array, "layers batch kv_heads kv_seq"] | None = None
+    value_scales: Float[Array, "layers batch kv_heads kv_seq"] | None = None
 
     @property
     def dtype(self):
         return self.keys.dtype
 
     def materialize(
-        self,
+        self, dtype=None
     ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq value_dim"]]:
-        """This layer's keys and values."""
+        """This layer's keys and values (an int8 cache's dequantized to `dtype`,
+        default float32)."""
         take = lambda stack: jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
-        return take(self.keys), take(self.values)
+        if self.key_scales is None:
+            return take(self.keys), take(self.values)
+        dtype = dtype or jnp.float32
+        keys = dequantize_rows(take(self.keys), take(self.key_scales), dtype)
+        if not self.values.shape[-1]:
+            return keys, take(self.values).astype(dtype)
+        return keys, dequantize_rows(take(self.values), take(self.value_scales), dtype)
+
+    def as_stored(self, x: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
+        """`x` (keys or values of new tokens) rounded as this cache stores it, in float32."""
+        if self.key_scales is None:
+            return x.astype(self.dtype).astype(jnp.float32)
+        return dequantize_rows(*quantize_rows(x))
 
     def attend_token(
         self,
@@ -72,9 +121,12 @@ class LayerKV(eqx.Module):
         sinks: Float[Array, "kv_heads groups"] | None = None,
     ) -> Float[Array, "batch kv_heads groups value_dim"]:
         """One new token per row against this layer's slots (see `kernels.decode_attention`)."""
-        values = self.values if self.values.shape[-1] else self.keys
+        values, value_scales = (
+            (self.values, self.value_scales) if self.values.shape[-1] else (self.keys, self.key_scales)
+        )
         return decode_attention(
-            query, self.keys, values, self.index, valid, self_valid, new_key, new_value, scale, sinks
+            query, self.keys, values, self.index, valid, self_valid, new_key, new_value, scale, sinks,
+            self.key_scales, value_scales,
         )
 
 
@@ -108,15 +160,20 @@ class KVCache(eqx.Module):
             only for a ring).
         window: the sliding window, or None.
         state: the recurrent state, or None.
+        key_scales, value_scales: `[layers, batch, kv_heads, kv_seq]` float32, one
+            per token and head, when keys and values are int8 (`dtype="int8"`:
+            a key is `keys[..., :] * key_scales[..., None]`); else None.
     """
 
-    keys: Float[Array, "layers batch kv_heads kv_seq head_dim"]
-    values: Float[Array, "layers batch kv_heads kv_seq value_dim"]
+    keys: Shaped[Array, "layers batch kv_heads kv_seq head_dim"]
+    values: Shaped[Array, "layers batch kv_heads kv_seq value_dim"]
     slot_positions: Int[Array, "batch kv_seq"]
     positions: Int[Array, " batch"]
     length: Int[Array, ""]
     window: int | None = eqx.field(static=True, default=None)
     state: eqx.Module | None = None
+    key_scales: Float[Array, "layers batch kv_heads kv_seq"] | None = None
+    value_scales: Float[Array, "layers batch kv_heads kv_seq"] | None = None
 
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         """The logical axes of each array (for sharding rules).
@@ -125,7 +182,11 @@ class KVCache(eqx.Module):
             Field name -> axis names.
         """
         kv = ("layers", "batch", "kv_heads", "kv_seq", "head_dim")
-        return {"keys": kv, "values": kv, "slot_positions": ("batch", "kv_seq"), "positions": ("batch",), "length": ()}
+        per_token = kv[:-1]
+        return {
+            "keys": kv, "values": kv, "slot_positions": ("batch", "kv_seq"), "positions": ("batch",), "length": (),
+            "key_scales": per_token, "value_scales": per_token,
+        }
 
     @classmethod
     def empty(
@@ -149,7 +210,8 @@ class KVCache(eqx.Module):
             max_length: slots per row (a ring of `min(max_length, window)` slots with
                 a `window`).
             head_dim: width of one key (and, by default, value) row.
-            dtype: keys and values dtype.
+            dtype: keys and values dtype: float32, bfloat16, float16, or int8
+                (with a float32 scale per token and head).
             window: the sliding window, or None for a plain buffer.
             value_dim: width of a value row when it differs from `head_dim`; 0 for
                 values read from the keys' first channels (see `LayerKV`).
@@ -158,9 +220,11 @@ class KVCache(eqx.Module):
         Returns:
             A `KVCache` whose slots are all empty (`slot_positions` -1).
         """
+        dtype = resolve_cache_dtype(dtype)
         slots = max_length if window is None else min(max_length, window)
         shape = (num_layers, batch_size, num_kv_heads, slots, head_dim)
         value_dim = head_dim if value_dim is None else value_dim
+        scales = lambda width: jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 and width else None
         return cls(
             keys=jnp.zeros(shape, dtype),
             values=jnp.zeros((*shape[:-1], value_dim), dtype),
@@ -169,6 +233,8 @@ class KVCache(eqx.Module):
             length=jnp.zeros((), jnp.int32),
             window=window,
             state=state,
+            key_scales=scales(head_dim),
+            value_scales=scales(value_dim),
         )
 
     @classmethod
@@ -182,16 +248,19 @@ class KVCache(eqx.Module):
                 `recurrent_state`).
             batch_size: rows.
             max_length: slots per row.
-            dtype: keys and values dtype.
+            dtype: keys and values dtype (see `empty`).
             window: the ring size when every layer slides, else None.
 
         Returns:
             A `KVCache` with nothing written.
         """
         layout = config.cache_layout()
+        dtype = resolve_cache_dtype(dtype)
+        # A recurrent state is a running sum, never stored in int8.
+        state_dtype = jnp.float32 if dtype == jnp.int8 else dtype
         return cls.empty(
             config.num_blocks, batch_size, layout.kv_heads, max_length, layout.key_dim, dtype, window,
-            layout.value_dim, config.recurrent_state(batch_size, dtype),
+            layout.value_dim, config.recurrent_state(batch_size, state_dtype),
         )
 
     @property
@@ -217,7 +286,7 @@ class KVCache(eqx.Module):
         view = None
         if state is not None:
             view = StateView(state, index, jnp.arange(self.batch_size, dtype=jnp.int32), self.positions == 0)
-        return LayerKV(self.keys, self.values, index, view)
+        return LayerKV(self.keys, self.values, index, view, self.key_scales, self.value_scales)
 
     @property
     def valid(self) -> Bool[Array, "batch kv_seq"]:
@@ -264,6 +333,7 @@ class KVCache(eqx.Module):
         seq = new_keys.shape[3]
         real = attention_mask.astype(bool)
         new_slot_positions = jnp.where(real, self.new_positions(attention_mask), -1)
+        # Every buffer (keys, values, per-token scales) is written at the same slots.
         if self.window is None:
             start = eqx.error_if(
                 self.length,
@@ -271,20 +341,24 @@ class KVCache(eqx.Module):
                 "KVCache overflow: the tokens of this call do not fit in the cache's "
                 "max_length slots. Create a larger cache with model.init_cache(batch, max_length).",
             )
-            keys = write_slots(self.keys, new_keys, start)
-            values = write_slots(self.values, new_values, start) if self.values.size else self.values
+            write = lambda buffer, update: write_slots(buffer, update, start)
             slot_positions = jax.lax.dynamic_update_slice(self.slot_positions, new_slot_positions, (0, start))
         else:
             # Only the newest `max_length` tokens can still be attended to.
             keep = min(seq, self.max_length)
             start = (self.length + seq - keep) % self.max_length
-            keys = write_slots(self.keys, new_keys[:, :, :, seq - keep :], start, wrap=True)
-            values = (
-                write_slots(self.values, new_values[:, :, :, seq - keep :], start, wrap=True)
-                if self.values.size else self.values
-            )
+            write = lambda buffer, update: write_slots(buffer, update[:, :, :, seq - keep :], start, wrap=True)
             slots = (start + jnp.arange(keep)) % self.max_length
             slot_positions = self.slot_positions.at[:, slots].set(new_slot_positions[:, seq - keep :])
+        key_scales, value_scales = self.key_scales, self.value_scales
+        if key_scales is not None:
+            new_keys, new_key_scales = quantize_rows(new_keys)
+            key_scales = write(key_scales, new_key_scales)
+        if value_scales is not None:
+            new_values, new_value_scales = quantize_rows(new_values)
+            value_scales = write(value_scales, new_value_scales)
+        keys = write(self.keys, new_keys)
+        values = write(self.values, new_values) if self.values.size else self.values
         return KVCache(
             keys=keys,
             values=values,
@@ -293,4 +367,7 @@ class KVCache(eqx.Module):
             length=self.length + seq,
             window=self.window,
             state=self.state if new_state is None else new_state,
+            key_scales=key_scales,
+            value_scales=value_scales,
         )
+

@@ -43,6 +43,7 @@ def _generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         seed=args.seed,
         eos_token_id=eos,
+        cache_dtype=args.kv_cache_dtype,
     ):
         if first_token_at is None:
             first_token_at = time.perf_counter()
@@ -226,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument("--quantize", choices=["int8", "int4"], default=None,
                      help="Quantize the weights while loading (int8/int4 in groups of 32, llama.cpp's Q8_0/Q4_0 shape).")
+    gen.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"], default=None,
+                     help="KV cache dtype (default: the weights'); int8 keeps a scale per token and head, "
+                          "about half of bfloat16's bytes.")
     gen.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
     gen.set_defaults(run=_generate)

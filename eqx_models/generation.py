@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
-from .cache import KVCache
+from .cache import KVCache, resolve_cache_dtype
 from .nn.causal_lm import CausalLM
 
 MIN_PROMPT_BUCKET = 16
@@ -85,9 +85,11 @@ def _finished(token: Int[Array, " batch"], eos_ids: tuple[int, ...]) -> Bool[Arr
 
 
 @eqx.filter_jit
-def _prefill(model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple):
+def _prefill(
+    model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple, cache_dtype: str | None
+):
     _TRACE_COUNTS["prefill"] += 1
-    logits, cache = model.prefill(input_ids, max_length, attention_mask, logits_to_keep=1)
+    logits, cache = model.prefill(input_ids, max_length, attention_mask, logits_to_keep=1, cache_dtype=cache_dtype)
     key, step_key = jax.random.split(key)
     token = sample_tokens(logits[:, -1], step_key, sampling)
     state = DecodeState(cache, token, _finished(token, eos_ids), key)
@@ -157,6 +159,7 @@ def stream_generate(
     eos_token_id: int | Sequence[int] | None = None,
     attention_mask=None,
     pad_token_id: int | None = None,
+    cache_dtype: str | None = None,
 ) -> Iterator[np.ndarray]:
     """Like `generate`, but yields each step's tokens as they come.
 
@@ -173,6 +176,8 @@ def stream_generate(
         eos_token_id: id or ids that end a row; defaults to the model config's.
         attention_mask: `[batch, seq]`, 1 for real tokens, for left-padded batches.
         pad_token_id: yielded for rows that have ended; defaults to the first EOS id.
+        cache_dtype: the KV cache's dtype (`"int8"` for about half of bfloat16's
+            bytes, see `CausalLM.init_cache`); defaults to the model's.
 
     Yields:
         `[batch]` int32 numpy arrays, one per step; stops early once every row has
@@ -181,6 +186,7 @@ def stream_generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
     sampling = Sampling(temperature, top_k, top_p)
+    cache_dtype = None if cache_dtype is None else resolve_cache_dtype(cache_dtype).name
     eos_ids = _eos_tuple(model, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     ids, mask = prepare_prompts(input_ids, attention_mask, pad_token_id=pad)
@@ -199,7 +205,9 @@ def stream_generate(
     mask = np.pad(mask, ((0, 0), (bucket - mask.shape[1], 0)))
     max_length = _next_power_of_two(bucket + max_new_tokens)
 
-    state, token = _prefill(model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), max_length, sampling, eos_ids)
+    state, token = _prefill(
+        model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), max_length, sampling, eos_ids, cache_dtype
+    )
     done = np.zeros(ids.shape[0], bool)
     for step in range(max_new_tokens):
         if step + 1 < max_new_tokens:
@@ -225,6 +233,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     attention_mask=None,
     pad_token_id: int | None = None,
+    cache_dtype: str | None = None,
 ) -> Int[np.ndarray, "batch new"]:
     """Generates up to `max_new_tokens` tokens after each prompt.
 
@@ -241,6 +250,7 @@ def generate(
         eos_token_id: id or ids that end a row; defaults to the model config's.
         attention_mask: `[batch, seq]`, 1 for real tokens, for left-padded batches.
         pad_token_id: written after a row's EOS; defaults to the first EOS id.
+        cache_dtype: the KV cache's dtype (see `stream_generate`).
 
     Returns:
         `[batch, max_new_tokens]` int32 numpy array of new tokens (the prompt is not
@@ -260,6 +270,7 @@ def generate(
             eos_token_id=eos_ids,
             attention_mask=attention_mask,
             pad_token_id=pad,
+            cache_dtype=cache_dtype,
         )
     )
     out = np.full((steps[0].shape[0], max_new_tokens), pad, np.int32)

@@ -33,13 +33,18 @@ class PagedLayerKV(eqx.Module):
         return self.keys.dtype
 
     def materialize(
-        self,
+        self, dtype=None
     ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq value_dim"]]:
-        """Each row's keys and values of this layer, slot `s` = the row's token `s`."""
+        """Each row's keys and values of this layer, slot `s` = the row's token `s`
+        (in the pool's dtype; `dtype` is for the `LayerKV` interface)."""
         return (
             gather_pages(self.keys, self.index, self.block_tables),
             gather_pages(self.values, self.index, self.block_tables),
         )
+
+    def as_stored(self, x: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
+        """`x` rounded to the pool's dtype, in float32."""
+        return x.astype(self.dtype).astype(jnp.float32)
 
     def attend_token(
         self,

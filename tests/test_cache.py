@@ -328,3 +328,75 @@ def test_long_prompts_attend_in_query_blocks_with_the_same_result(model, monkeyp
     monkeypatch.setattr(attention, "QUERY_CHUNK", 512)
     expected, _ = model(ids[:, 10:], cache=model.prefill(ids[:, :10], 32, attention_mask=mask[:, :10])[1])
     np.testing.assert_allclose(first, expected, atol=1e-4, rtol=0)
+
+
+# Dense stacks only: in a random mixture of experts a small change in a hidden
+# state can flip a token's experts, which moves its logits by whole units.
+@pytest.mark.parametrize("architecture", ["qwen3", "qwen2", "mistral_window", "gemma3_local_global"])
+def test_int8_cache_prefill_chunks_and_decode_stay_close_to_the_float_cache(architecture):
+    model = small_model(**ARCHITECTURES[architecture])
+    ids = random_ids((2, 30), seed=3)
+    runs = {}
+    for dtype in ("float32", "int8"):
+        cache = model.init_cache(2, 40, dtype=dtype)
+        steps = []
+        # A prompt, a second chunk that reads the first from the cache, then one token a step.
+        for start, stop in [(0, 12), (12, 17), *((t, t + 1) for t in range(17, 30))]:
+            logits, cache = model(ids[:, start:stop], cache=cache)
+            steps.append(logits)
+        runs[dtype] = np.concatenate(steps, axis=1)
+    assert cache.keys.dtype == jnp.int8 and cache.key_scales.shape == cache.keys.shape[:-1]
+    np.testing.assert_array_equal(runs["int8"][:, :12], runs["float32"][:, :12])  # nothing cached yet
+    # Each key and value within half a step of 1/127 of its row's largest entry.
+    largest = float(np.abs(runs["float32"]).max())
+    np.testing.assert_allclose(runs["int8"], runs["float32"], atol=0.05 * largest, rtol=0)
+    assert np.abs(runs["int8"] - runs["float32"]).max() > 0  # the integers were read
+
+
+def test_int8_cache_holds_each_row_within_half_a_step_in_about_half_of_bfloat16s_bytes():
+    model = small_model(seed=2, head_dim=128)
+    ids = random_ids((2, 9), seed=4)
+    _, exact = model(ids, cache=model.init_cache(2, 16, dtype="float32"))
+    _, cache = model(ids, cache=model.init_cache(2, 16, dtype="int8"))
+    for ints, scales, floats in ((cache.keys, cache.key_scales, exact.keys), (cache.values, cache.value_scales,
+                                                                               exact.values)):
+        written = np.asarray(ints[:, :, :, :9], np.float64) * np.asarray(scales[:, :, :, :9, None], np.float64)
+        want = np.asarray(floats[:, :, :, :9], np.float64)
+        step = np.abs(want).max(axis=-1, keepdims=True) / 127
+        assert (np.abs(written - want) <= step / 2 + 1e-6 * np.abs(want)).all()
+    bfloat16 = model.init_cache(2, 16, dtype="bfloat16")
+    int8_bytes = sum(a.nbytes for a in (cache.keys, cache.values, cache.key_scales, cache.value_scales))
+    assert int8_bytes / (bfloat16.keys.nbytes + bfloat16.values.nbytes) == pytest.approx((128 + 4) / 256)
+
+
+def test_int8_cache_decode_step_reads_it_in_place():
+    model = small_model(seed=4, num_hidden_layers=8, hidden_size=64, num_attention_heads=4, head_dim=32)
+    cache = model.init_cache(4, 1024, dtype="int8")
+    state = DecodeState(cache, jnp.zeros(4, jnp.int32), jnp.zeros(4, bool), jax.random.key(0))
+    compiled = _decode_step.lower(model, state, Sampling(), (), 0).compile().compiled
+    memory = compiled.memory_analysis()
+    cache_bytes = sum(a.nbytes for a in (cache.keys, cache.values, cache.key_scales, cache.value_scales))
+    assert memory.alias_size_in_bytes >= cache_bytes
+    # No dequantized copy: a float32 layer of this cache would be 4x its int8 bytes.
+    assert memory.temp_size_in_bytes < cache_bytes / 8 / 8, (memory.temp_size_in_bytes, cache_bytes)
+    assert "eqx_models_decode_attention" in compiled.as_text()
+
+
+def test_generate_with_an_int8_cache_keeps_the_stories_greedy_text():
+    from conftest import STORIES, require_fixture
+
+    folder = require_fixture(STORIES)
+    model = eqx_models.from_pretrained(folder)
+    prompt = eqx_models.load_tokenizer(folder).encode("Once upon a time")
+    float_tokens = eqx_models.generate(model, prompt, max_new_tokens=60)
+    int8_tokens = eqx_models.generate(model, prompt, max_new_tokens=60, cache_dtype="int8")
+    np.testing.assert_array_equal(int8_tokens, float_tokens)
+
+
+def test_an_unknown_cache_dtype_names_the_ones_there_are():
+    model = small_model()
+    for dtype in ("int4", "float64", "fp8"):
+        with pytest.raises(ValueError, match="float32, bfloat16, float16, int8"):
+            model.init_cache(1, 8, dtype=dtype)
+    with pytest.raises(ValueError, match="int8"):
+        eqx_models.generate(model, [1, 2], max_new_tokens=2, cache_dtype="q8_0")

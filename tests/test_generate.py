@@ -132,3 +132,15 @@ def test_prompt_plus_new_tokens_beyond_positions_is_refused(stories):
 def test_bad_generation_arguments(stories, kwargs, message):
     with pytest.raises(ValueError, match=message):
         eqx_models.generate(stories, **kwargs)
+
+
+def test_the_cli_decodes_with_an_int8_kv_cache(capsys, stories, stories_tokenizer):
+    case = CASES[0]
+    steps = 20
+    code = main(["generate", str(STORIES), "--prompt", case["prompt"], "--max-new-tokens", str(steps),
+                 "--kv-cache-dtype", "int8"])
+    out, _ = capsys.readouterr()
+    assert code == 0
+    tokens = eqx_models.generate(stories, case["prompt_ids"], max_new_tokens=steps, cache_dtype="int8")[0].tolist()
+    full = stories_tokenizer.decode(case["prompt_ids"] + tokens)
+    assert out == full[len(stories_tokenizer.decode(case["prompt_ids"])):] + "\n"

@@ -128,8 +128,63 @@ def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_head
                              scale, sinks)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    reference = _attention_reference(*args, _sinks_or_none(sinks, kv_heads, groups), scale=scale)
+    reference = _attention_reference(*args, _sinks_or_none(sinks, kv_heads, groups), *NO_SCALES, scale=scale)
     np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
+
+
+NO_SCALES = (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+
+
+@pytest.mark.parametrize(
+    "layers, batch, kv_heads, groups, kv_seq, head_dim",
+    [(3, 2, 2, 2, 7, 16), (2, 1, 8, 2, 300, 128), (2, 3, 1, 4, 33, 12)],
+)
+def test_int8_decode_attention_equals_float64_attention_over_the_scaled_rows(
+    layers, batch, kv_heads, groups, kv_seq, head_dim
+):
+    """An int8 cache: each slot row's integers times its float32 scale, read in place."""
+    rng = np.random.default_rng(kv_seq * head_dim)
+    ints = lambda: jnp.asarray(rng.integers(-127, 128, (layers, batch, kv_heads, kv_seq, head_dim)), jnp.int8)
+    keys, values = ints(), ints()
+    key_scales = jnp.asarray(rng.uniform(0.001, 0.05, keys.shape[:-1]), jnp.float32)
+    value_scales = jnp.asarray(rng.uniform(0.001, 0.02, keys.shape[:-1]), jnp.float32)
+    query = rng.standard_normal((batch, kv_heads, groups, head_dim)).astype(np.float32)
+    valid = rng.random((batch, kv_seq)) < 0.7
+    self_valid = np.ones(batch, bool)
+    if batch > 1:
+        valid[-1], self_valid[-1] = False, False
+    new_key = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    new_value = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
+    layer, scale = layers - 1, head_dim**-0.5
+    scaled = lambda ints, scales: np.asarray(ints[layer], np.float64) * np.asarray(scales[layer], np.float64)[..., None]
+    want = attention_float64(query, scaled(keys, key_scales), scaled(values, value_scales), valid, self_valid,
+                             new_key, new_value, scale)
+    args = (query, keys, values, jnp.int32(layer), valid, self_valid, new_key, new_value)
+    got = jax.jit(decode_attention, static_argnums=8)(*args, scale, None, key_scales, value_scales)
+    assert np.isfinite(np.asarray(got)).all()
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    reference = _attention_reference(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
+                                     scale=scale)
+    np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
+    # Values that are the keys' first channels share the keys' scales.
+    got = jax.jit(decode_attention, static_argnums=8)(
+        query, keys, keys, jnp.int32(layer), valid, self_valid, new_key, new_key[..., : head_dim // 2], scale,
+        None, key_scales, key_scales,
+    )
+    want = attention_float64(query, scaled(keys, key_scales), scaled(keys, key_scales), valid, self_valid, new_key,
+                             new_key[..., : head_dim // 2], scale)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_decode_attention_wants_scales_with_an_int8_cache_only():
+    keys = jnp.zeros((1, 1, 1, 4, 8), jnp.int8)
+    args = (jnp.zeros((1, 1, 1, 8)), keys, keys, jnp.int32(0), jnp.ones((1, 4), bool), jnp.ones(1, bool),
+            jnp.zeros((1, 1, 8)), jnp.zeros((1, 1, 8)), 1.0)
+    with pytest.raises(ValueError, match="int8 key/value stacks need their scales"):
+        decode_attention(*args)
+    floats = jnp.zeros((1, 1, 1, 4, 8))
+    with pytest.raises(ValueError, match="only they take scales"):
+        decode_attention(args[0], floats, floats, *args[3:], None, jnp.ones((1, 1, 1, 4)), jnp.ones((1, 1, 1, 4)))
 
 
 def _sinks_or_none(sinks, kv_heads, groups):
@@ -175,11 +230,13 @@ def test_decode_attention_reads_values_from_the_keys_first_channels(dtype, paged
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-def test_write_slots_writes_only_the_new_slots(dtype):
+@pytest.mark.parametrize("width", [(4,), ()])  # () : an int8 cache's per-slot scales
+def test_write_slots_writes_only_the_new_slots(dtype, width):
     rng = np.random.default_rng(1)
-    buffer = jnp.asarray(rng.standard_normal((2, 3, 2, 10, 4)), dtype)
-    update = jnp.asarray(rng.standard_normal((2, 3, 2, 3, 4)), dtype)
+    buffer = jnp.asarray(rng.standard_normal((2, 3, 2, 10, *width)), dtype)
+    update = jnp.asarray(rng.standard_normal((2, 3, 2, 3, *width)), dtype)
     got = jax.jit(write_slots)(buffer, update, jnp.int32(6))
+    np.testing.assert_array_equal(np.asarray(_write_reference(buffer, update, jnp.int32(6), False)), np.asarray(got))
     want = np.asarray(buffer).copy()
     want[:, :, :, 6:9] = np.asarray(update)
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -189,10 +246,11 @@ def test_write_slots_writes_only_the_new_slots(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("start", [0, 5, 8, 9])
-def test_write_slots_wraps_around_a_ring(dtype, start):
+@pytest.mark.parametrize("width", [(4,), ()])
+def test_write_slots_wraps_around_a_ring(dtype, start, width):
     rng = np.random.default_rng(start)
-    buffer = jnp.asarray(rng.standard_normal((2, 1, 2, 10, 4)), dtype)
-    update = jnp.asarray(rng.standard_normal((2, 1, 2, 4, 4)), dtype)
+    buffer = jnp.asarray(rng.standard_normal((2, 1, 2, 10, *width)), dtype)
+    update = jnp.asarray(rng.standard_normal((2, 1, 2, 4, *width)), dtype)
     want = np.asarray(buffer).copy()
     want[:, :, :, [(start + j) % 10 for j in range(4)]] = np.asarray(update)
     write = jax.jit(lambda b, u, s: write_slots(b, u, s, wrap=True))
@@ -225,7 +283,9 @@ def test_paged_decode_attention_reads_each_rows_pages(dtype, page_size, pages_pe
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     no_sinks = _sinks_or_none(None, kv_heads, groups)
-    np.testing.assert_allclose(_paged_attention_reference(*args, no_sinks, scale=head_dim**-0.5), want, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(
+        _paged_attention_reference(*args, no_sinks, scale=head_dim**-0.5), want, atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -76,8 +76,9 @@ def test_every_array_of_every_architecture_has_logical_axes(model_type):
     hf = tiny_config(model_type, **tiny_overrides(model_type)).to_diff_dict()
     config = architecture_for(hf).config_from_hf(hf)
     model = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
-    cache = jax.eval_shape(lambda: CausalLM(config, key=jax.random.key(0)).init_cache(2, 16))
-    for tree in (model, cache):
+    caches = [jax.eval_shape(lambda: CausalLM(config, key=jax.random.key(0)).init_cache(2, 16, dtype=dtype))
+              for dtype in (None, "int8")]
+    for tree in (model, *caches):
         leaves = jax.tree_util.tree_leaves_with_path(tree)
         axes = jax.tree.leaves(logical_axes(tree), is_leaf=is_axes)
         assert len(axes) == len(leaves) > 0

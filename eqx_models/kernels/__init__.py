@@ -208,10 +208,25 @@ def _no_sinks(query: Array) -> Array:
     return jnp.full(query.shape[1:3], -jnp.inf, jnp.float32)
 
 
-def _attention_reference(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, scale):
+def _no_scales() -> Array:
+    return jnp.zeros((0,), jnp.float32)
+
+
+def _layer_rows(stack: Array, scales: Array, layer: Array) -> Array:
+    """`stack[layer]` in float32, times its per-row `scales[layer]` when they are given."""
+    rows = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(jnp.float32)
+    if scales.size:
+        rows = rows * jax.lax.dynamic_index_in_dim(scales, layer, keepdims=False)[..., None]
+    return rows
+
+
+def _attention_reference(
+    query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales,
+    scale,
+):
     value_dim = new_value.shape[-1]
-    keys = jax.lax.dynamic_index_in_dim(key_stack, layer, keepdims=False).astype(jnp.float32)
-    values = jax.lax.dynamic_index_in_dim(value_stack, layer, keepdims=False)[..., :value_dim].astype(jnp.float32)
+    keys = _layer_rows(key_stack, key_scales, layer)
+    values = _layer_rows(value_stack, value_scales, layer)[..., :value_dim]
     keys = jnp.concatenate([keys, new_key[:, :, None]], axis=2)
     values = jnp.concatenate([values, new_value[:, :, None]], axis=2)
     allowed = jnp.concatenate([valid, self_valid[:, None]], axis=1)
@@ -224,19 +239,22 @@ def _attention_reference(query, key_stack, value_stack, layer, valid, self_valid
     return jnp.einsum("bkgs,bksd->bkgd", weights, values)
 
 
-def _attention_kernel(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, scale):
+def _attention_kernel(
+    query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales,
+    scale,
+):
     out = jax.ShapeDtypeStruct((*query.shape[:3], new_value.shape[-1]), jnp.float32)
     call = jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")
     return call(
         query, key_stack, value_stack, layer.astype(jnp.int32).reshape(()), valid, self_valid, new_key, new_value,
-        sinks, scale=np.float32(scale),
+        sinks, key_scales, value_scales, scale=np.float32(scale),
     )
 
 
 def decode_attention(
     query: Float[Array, "batch kv_heads groups head_dim"],
-    key_stack: Float[Array, "layers batch kv_heads kv_seq head_dim"],
-    value_stack: Float[Array, "layers batch kv_heads kv_seq value_width"],
+    key_stack: Shaped[Array, "layers batch kv_heads kv_seq head_dim"],
+    value_stack: Shaped[Array, "layers batch kv_heads kv_seq value_width"],
     layer: Int[Array, ""],
     valid: Bool[Array, "batch kv_seq"],
     self_valid: Bool[Array, " batch"],
@@ -244,6 +262,8 @@ def decode_attention(
     new_value: Float[Array, "batch kv_heads value_dim"],
     scale: float,
     sinks: Float[Array, "kv_heads groups"] | None = None,
+    key_scales: Float[Array, "layers batch kv_heads kv_seq"] | None = None,
+    value_scales: Float[Array, "layers batch kv_heads kv_seq"] | None = None,
 ) -> Float[Array, "batch kv_heads groups value_dim"]:
     """Softmax attention of one new token per row, float32.
 
@@ -253,14 +273,22 @@ def decode_attention(
     every slot (its output is padding). A value is the first `value_dim` channels
     of its row of `value_stack` (`value_stack` may be `key_stack` itself: values
     that are a prefix of the keys, as in Multi-head Latent Attention). `sinks`
-    are per-head logits that join the softmax without a value. Inference only: no
-    derivative is defined.
+    are per-head logits that join the softmax without a value. The stacks may be
+    float32, bfloat16 or int8; int8 stacks come with `key_scales` / `value_scales`,
+    one float32 per slot row (a key is `key_stack[..., s, :] * key_scales[..., s]`),
+    widened in registers. Inference only: no derivative is defined.
     """
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
+    if (key_stack.dtype == jnp.int8) != (key_scales is not None) or (value_stack.dtype == jnp.int8) != (
+        value_scales is not None
+    ):
+        raise ValueError("decode_attention: int8 key/value stacks need their scales, and only they take scales.")
+    key_scales = _no_scales() if key_scales is None else key_scales
+    value_scales = _no_scales() if value_scales is None else value_scales
     return _dispatch(
         functools.partial(_attention_kernel, scale=scale),
         functools.partial(_attention_reference, scale=scale),
-        query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks,
+        query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales,
     )
 
 
@@ -281,7 +309,10 @@ def _paged_attention_reference(
 ):
     keys = gather_pages(key_pool, layer, block_tables)[None]
     values = gather_pages(value_pool, layer, block_tables)[None]
-    return _attention_reference(query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, sinks, scale)
+    return _attention_reference(
+        query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, sinks, _no_scales(), _no_scales(),
+        scale,
+    )
 
 
 def _paged_attention_kernel(
@@ -291,7 +322,7 @@ def _paged_attention_kernel(
     call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, out, vmap_method="sequential")
     return call(
         query, key_pool, value_pool, layer.astype(jnp.int32).reshape(()), block_tables.astype(jnp.int32), valid,
-        self_valid, new_key, new_value, sinks, scale=np.float32(scale),
+        self_valid, new_key, new_value, sinks, _no_scales(), _no_scales(), scale=np.float32(scale),
     )
 
 
@@ -353,7 +384,7 @@ def _write_reference(buffer: Array, update: Array, start: Array, wrap: bool) -> 
         slots = (start + jnp.arange(update.shape[3])) % buffer.shape[3]
         written = bits(buffer).at[:, :, :, slots].set(bits(update))
     else:
-        written = jax.lax.dynamic_update_slice(bits(buffer), bits(update), (0, 0, 0, start, 0))
+        written = jax.lax.dynamic_update_slice(bits(buffer), bits(update), (0, 0, 0, start, 0)[: buffer.ndim])
     return jax.lax.bitcast_convert_type(written, buffer.dtype) if buffer.dtype.itemsize == 2 else written
 
 
@@ -366,13 +397,14 @@ def _write_kernel(buffer: Array, update: Array, start: Array, wrap: bool) -> Arr
 
 
 def write_slots(
-    buffer: Shaped[Array, "layers batch kv_heads kv_seq head_dim"],
-    update: Shaped[Array, "layers batch kv_heads new head_dim"],
+    buffer: Shaped[Array, "layers batch kv_heads kv_seq *head_dim"],
+    update: Shaped[Array, "layers batch kv_heads new *head_dim"],
     start: Int[Array, ""],
     *,
     wrap: bool = False,
-) -> Shaped[Array, "layers batch kv_heads kv_seq head_dim"]:
+) -> Shaped[Array, "layers batch kv_heads kv_seq *head_dim"]:
     """`buffer` with `update` written at slot `start` of axis 3 (in place when donated).
+    The last axis may be absent (one item per slot: an int8 cache's scales).
 
     With `wrap` the buffer is a ring: slots past the end continue at slot 0 (the
     update must not be longer than the buffer). Otherwise the caller checks that

@@ -15,6 +15,11 @@
 // of the keys (Multi-head Latent Attention caches one latent per token and
 // attends with it as both). Each query head may have a sink: a logit in its
 // softmax without a value (-inf for none).
+//
+// An int8 cache comes with one float32 scale per slot row (`[layers, batch,
+// kv_heads, kv_seq]`, or `[layers, pages, kv_heads, page_size]`): a key is its
+// integers times its scale. The integers are widened in registers and the scale
+// applied once per slot (to the score, and to the value's softmax weight).
 
 #include <algorithm>
 #include <cmath>
@@ -55,11 +60,13 @@ struct Problem {
   const float* k_new;  // [B, H, D]
   const float* v_new;  // [B, H, Dv]
   const float* sinks;  // [H, G]
+  const float* key_scales;    // this layer, one per slot row (int8 caches), else null
+  const float* value_scales;  // the same for the values
   float* out;          // [B, H, G, Dv]
   int64_t B, H, G, S, D, P;
   int64_t Dv, value_stride;  // value width, and the width of the value operand's rows
   float scale;
-  bool bf16;
+  ffi::DataType type;  // of the cache: F32, BF16 or S8
 
   // Row number (in units of one slot's row) of row b, head h, slot s within this layer.
   int64_t slot_row(int64_t b, int64_t h, int64_t s) const {
@@ -97,7 +104,14 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (!allowed) continue;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      const float score = p.scale * (s < S ? dot(qg, keys + p.slot_row(b, h, s) * D, D) : dot(qg, k_new, D));
+      float score;
+      if (s == S) {
+        score = p.scale * dot(qg, k_new, D);
+      } else {
+        const int64_t row = p.slot_row(b, h, s);
+        score = p.scale * dot(qg, keys + row * D, D);
+        if (p.key_scales != nullptr) score *= p.key_scales[row];
+      }
       scores[g * (S + 1) + s] = score;
       row_max[g] = std::max(row_max[g], score);
     }
@@ -115,11 +129,13 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   std::fill(out, out + G * Dv, 0.0f);
   for (int64_t s = 0; s <= S; ++s) {
     for (int64_t g = 0; g < G; ++g) {
-      const float weight = scores[g * (S + 1) + s] / total[g];
+      float weight = scores[g * (S + 1) + s] / total[g];
       if (weight == 0.0f) continue;
       float* og = out + g * Dv;
       if (s < S) {
-        const T* v = values + p.slot_row(b, h, s) * p.value_stride;
+        const int64_t row = p.slot_row(b, h, s);
+        if (p.value_scales != nullptr) weight *= p.value_scales[row];
+        const T* v = values + row * p.value_stride;
         for (int64_t d = 0; d < Dv; ++d) og[d] += weight * to_float(v[d]);
       } else {
         for (int64_t d = 0; d < Dv; ++d) og[d] += weight * v_new[d];
@@ -140,31 +156,59 @@ CLONES void attend_f32(const Problem& p, int64_t b, int64_t h, std::vector<float
 CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
   attend_one<uint16_t>(p, b, h, scores);
 }
+CLONES void attend_s8(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
+  attend_one<int8_t>(p, b, h, scores);
+}
 
 void run(const Problem& problem) {
   eqx_models::parallel_for(problem.B * problem.H, [&](int64_t task) {
     thread_local std::vector<float> scores;
-    if (problem.bf16)
+    if (problem.type == ffi::DataType::BF16)
       attend_bf16(problem, task / problem.H, task % problem.H, scores);
+    else if (problem.type == ffi::DataType::S8)
+      attend_s8(problem, task / problem.H, task % problem.H, scores);
     else
       attend_f32(problem, task / problem.H, task % problem.H, scores);
   });
 }
 
+// The layer's scales of an int8 stack (`[layers, d1, d2, d3]` beside a 5-d stack
+// of those leading dimensions), or null for a float stack (whose scales are empty).
+ffi::Error layer_scales(const char* name, const ffi::AnyBuffer& stack, const ffi::Buffer<ffi::F32>& scales,
+                        int64_t index, const float** out) {
+  *out = nullptr;
+  const bool quantized = stack.element_type() == ffi::DataType::S8;
+  if (!quantized) {
+    if (scales.element_count() != 0)
+      return ffi::Error::InvalidArgument(std::string(name) + ": only an int8 cache takes scales");
+    return ffi::Error::Success();
+  }
+  auto dims = stack.dimensions();
+  auto s_dims = scales.dimensions();
+  if (s_dims.size() != 4 || s_dims[0] != dims[0] || s_dims[1] != dims[1] || s_dims[2] != dims[2] ||
+      s_dims[3] != dims[3])
+    return ffi::Error::InvalidArgument(std::string(name) + ": an int8 cache needs one scale per slot row");
+  *out = scales.typed_data() + index * dims[1] * dims[2] * dims[3];
+  return ffi::Error::Success();
+}
+
 // Checks what both layouts share; returns the layer's byte offsets into the key
 // and value operands.
 ffi::Error check(const char* name, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& keys, ffi::AnyBuffer& values,
-                 ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::F32>& v_new, ffi::Buffer<ffi::F32>& sinks, int64_t B,
-                 int64_t* key_offset, int64_t* value_offset) {
+                 ffi::Buffer<ffi::S32>& layer, ffi::Buffer<ffi::F32>& v_new, ffi::Buffer<ffi::F32>& sinks,
+                 ffi::Buffer<ffi::F32>& key_scales, ffi::Buffer<ffi::F32>& value_scales, int64_t B,
+                 int64_t* key_offset, int64_t* value_offset, const float** layer_key_scales,
+                 const float** layer_value_scales) {
   auto q_dims = q.dimensions();
   auto c_dims = keys.dimensions();
   auto v_dims = values.dimensions();
   if (q_dims.size() != 4 || c_dims.size() != 5 || v_dims.size() != 5)
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": want q [batch, kv_heads, groups, head_dim] and 5-d caches");
-  const bool bf16 = keys.element_type() == ffi::DataType::BF16;
-  if (keys.element_type() != values.element_type() || (!bf16 && keys.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument(std::string(name) + ": caches must both be float32 or bfloat16");
+  const ffi::DataType type = keys.element_type();
+  if (type != values.element_type() ||
+      (type != ffi::DataType::F32 && type != ffi::DataType::BF16 && type != ffi::DataType::S8))
+    return ffi::Error::InvalidArgument(std::string(name) + ": caches must both be float32, bfloat16 or int8");
   if (q_dims[0] != B || q_dims[1] != c_dims[2] || q_dims[3] != c_dims[4])
     return ffi::Error::InvalidArgument(std::string(name) + ": query and cache shapes disagree");
   for (int i = 0; i < 4; ++i)
@@ -177,29 +221,33 @@ ffi::Error check(const char* name, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& key
   const int64_t index = layer.typed_data()[0];
   if (index < 0 || index >= c_dims[0])
     return ffi::Error::InvalidArgument(std::string(name) + ": layer index out of range");
-  const int64_t bytes = bf16 ? 2 : 4;
+  const int64_t bytes = static_cast<int64_t>(ffi::ByteWidth(type));
   *key_offset = index * (c_dims[1] * c_dims[2] * c_dims[3] * c_dims[4]) * bytes;
   *value_offset = index * (v_dims[1] * v_dims[2] * v_dims[3] * v_dims[4]) * bytes;
-  return ffi::Error::Success();
+  if (auto error = layer_scales(name, keys, key_scales, index, layer_key_scales); error.failure()) return error;
+  return layer_scales(name, values, value_scales, index, layer_value_scales);
 }
 
 ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
                            ffi::AnyBuffer values, ffi::Buffer<ffi::S32> layer,
                            ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
                            ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> sinks,
-                           float scale, ffi::ResultBuffer<ffi::F32> out) {
+                           ffi::Buffer<ffi::F32> key_scales, ffi::Buffer<ffi::F32> value_scales, float scale,
+                           ffi::ResultBuffer<ffi::F32> out) {
   auto c_dims = keys.dimensions();
   int64_t key_offset = 0, value_offset = 0;
+  const float *layer_key_scales = nullptr, *layer_value_scales = nullptr;
   const int64_t B = c_dims.size() == 5 ? c_dims[1] : 0;
-  if (auto error = check("decode_attention", q, keys, values, layer, v_new, sinks, B, &key_offset, &value_offset);
+  if (auto error = check("decode_attention", q, keys, values, layer, v_new, sinks, key_scales, value_scales, B,
+                         &key_offset, &value_offset, &layer_key_scales, &layer_value_scales);
       error.failure())
     return error;
   const int64_t S = c_dims[3];
   run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
               static_cast<const char*>(values.untyped_data()) + value_offset, nullptr, valid.typed_data(),
-              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), out->typed_data(),
-              B, c_dims[2], q.dimensions()[2], S, c_dims[4], S, v_new.dimensions()[2], values.dimensions()[4], scale,
-              keys.element_type() == ffi::DataType::BF16});
+              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), layer_key_scales,
+              layer_value_scales, out->typed_data(), B, c_dims[2], q.dimensions()[2], S, c_dims[4], S,
+              v_new.dimensions()[2], values.dimensions()[4], scale, keys.element_type()});
   return ffi::Error::Success();
 }
 
@@ -207,15 +255,17 @@ ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ff
                                 ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::PRED> valid, ffi::Buffer<ffi::PRED> self_valid,
                                 ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new, ffi::Buffer<ffi::F32> sinks,
-                                float scale, ffi::ResultBuffer<ffi::F32> out) {
+                                ffi::Buffer<ffi::F32> key_scales, ffi::Buffer<ffi::F32> value_scales, float scale,
+                                ffi::ResultBuffer<ffi::F32> out) {
   auto c_dims = keys.dimensions();
   auto t_dims = block_tables.dimensions();
   if (t_dims.size() != 2)
     return ffi::Error::InvalidArgument("paged_decode_attention: want block_tables [batch, pages_per_row]");
   const int64_t B = t_dims[0];
   int64_t key_offset = 0, value_offset = 0;
-  if (auto error =
-          check("paged_decode_attention", q, keys, values, layer, v_new, sinks, B, &key_offset, &value_offset);
+  const float *layer_key_scales = nullptr, *layer_value_scales = nullptr;
+  if (auto error = check("paged_decode_attention", q, keys, values, layer, v_new, sinks, key_scales, value_scales, B,
+                         &key_offset, &value_offset, &layer_key_scales, &layer_value_scales);
       error.failure())
     return error;
   const int64_t pages = c_dims[1], P = c_dims[3], S = t_dims[1] * P;
@@ -227,9 +277,9 @@ ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ff
     return ffi::Error::InvalidArgument("paged_decode_attention: valid must be [batch, pages_per_row * page_size]");
   run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
               static_cast<const char*>(values.untyped_data()) + value_offset, table, valid.typed_data(),
-              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), out->typed_data(),
-              B, c_dims[2], q.dimensions()[2], S, c_dims[4], P, v_new.dimensions()[2], values.dimensions()[4], scale,
-              keys.element_type() == ffi::DataType::BF16});
+              self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), layer_key_scales,
+              layer_value_scales, out->typed_data(), B, c_dims[2], q.dimensions()[2], S, c_dims[4], P,
+              v_new.dimensions()[2], values.dimensions()[4], scale, keys.element_type()});
   return ffi::Error::Success();
 }
 
@@ -246,6 +296,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxDecodeAttention, DecodeAttention,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("scale")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
@@ -258,6 +310,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxPagedDecodeAttention, PagedDecodeAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
                                   .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

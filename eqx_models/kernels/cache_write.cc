@@ -3,6 +3,8 @@
 // buffer: [layers, batch, kv_heads, kv_seq, head_dim], update: [layers, batch,
 // kv_heads, new, head_dim] of the same dtype, written at slot `start`; with `wrap`
 // (a ring buffer, for sliding-window layers) slots past the end continue at slot 0.
+// 4-d arrays without the last axis (an int8 cache's per-slot scales) are written
+// the same way, one item per slot.
 // The result aliases `buffer`. XLA:CPU widens a bfloat16 `dynamic-update-slice` to float32
 // and so rewrites the whole cache every step; this copies only the new bytes.
 //
@@ -23,11 +25,12 @@ ffi::Error WriteSlots(ffi::AnyBuffer buffer, ffi::AnyBuffer update, ffi::Buffer<
                       ffi::Result<ffi::AnyBuffer> out, int32_t wrap) {
   auto b_dims = buffer.dimensions();
   auto u_dims = update.dimensions();
-  if (b_dims.size() != 5 || u_dims.size() != 5 || buffer.element_type() != update.element_type())
-    return ffi::Error::InvalidArgument("write_slots: want two 5-d arrays of one dtype");
-  for (int i : {0, 1, 2, 4})
-    if (b_dims[i] != u_dims[i]) return ffi::Error::InvalidArgument("write_slots: shapes disagree");
-  const int64_t rows = b_dims[0] * b_dims[1] * b_dims[2], slots = b_dims[3], width = b_dims[4];
+  const size_t rank = b_dims.size();
+  if ((rank != 4 && rank != 5) || u_dims.size() != rank || buffer.element_type() != update.element_type())
+    return ffi::Error::InvalidArgument("write_slots: want two 4-d or 5-d arrays of one dtype");
+  for (size_t i = 0; i < rank; ++i)
+    if (i != 3 && b_dims[i] != u_dims[i]) return ffi::Error::InvalidArgument("write_slots: shapes disagree");
+  const int64_t rows = b_dims[0] * b_dims[1] * b_dims[2], slots = b_dims[3], width = rank == 5 ? b_dims[4] : 1;
   const int64_t count = u_dims[3], first = start.typed_data()[0];
   if (first < 0 || count > slots || (first + count > slots && !wrap) || (wrap && first >= slots))
     return ffi::Error::InvalidArgument("write_slots: the new slots do not fit in the cache");

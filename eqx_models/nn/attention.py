@@ -110,7 +110,7 @@ def use_decode_kernel(seq: int, cached, softcap: float | None = None) -> bool:
         seq == 1
         and cached is not None
         and softcap is None
-        and cached.dtype in (jnp.float32, jnp.bfloat16)
+        and cached.dtype in (jnp.float32, jnp.bfloat16, jnp.int8)
         and kernels_available()
     )
 
@@ -141,8 +141,8 @@ def attend(
     groups = num_heads // num_kv_heads
     if use_decode_kernel(seq, cached, softcap):
         # One token per row against the cache read in place. The new key/value
-        # are rounded to the cache dtype first, as the cache will hold them.
-        as_cached = lambda a: a[:, :, 0].astype(cached.dtype).astype(jnp.float32)
+        # are rounded first, as the cache will hold them.
+        as_cached = lambda a: cached.as_stored(a[:, :, 0])
         out = cached.attend_token(
             q.reshape(batch, num_kv_heads, groups, head_dim).astype(jnp.float32),
             inputs.cached_allowed[:, 0],
@@ -153,10 +153,12 @@ def attend(
             None if sinks is None else sinks.reshape(num_kv_heads, groups),
         ).astype(q.dtype)[:, :, :, None]
     else:
+        if cached is not None and seq == 1:  # a decode step without the kernel: rounded alike
+            k, v = cached.as_stored(k).astype(k.dtype), cached.as_stored(v).astype(v.dtype)
         q = q.reshape(batch, num_kv_heads, groups, seq, head_dim)
         keys, values, allowed = [k], [v], [inputs.new_allowed]
         if cached is not None:
-            cached_keys, cached_values = cached.materialize()
+            cached_keys, cached_values = cached.materialize(k.dtype)
             if cached_values.shape[-1] < v.shape[-1]:  # no value rows: the keys' first channels
                 cached_values = cached_keys[..., : v.shape[-1]]
             keys.insert(0, cached_keys)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
-from ..cache import KVCache
+from ..cache import KVCache, resolve_cache_dtype
 from ..paged_cache import PagedKVCache
 from .. import sharding
 from ..config import DecoderConfig
@@ -95,7 +95,7 @@ class CausalLM(eqx.Module):
             activation dtype, and the cache with this call's keys/values appended
             (None when no cache was given).
         """
-        return self._forward(input_ids, attention_mask, cache, None, logits_to_keep, segment_ids)
+        return self._forward(input_ids, attention_mask, cache, None, logits_to_keep, segment_ids=segment_ids)
 
     def prefill(
         self,
@@ -104,6 +104,7 @@ class CausalLM(eqx.Module):
         attention_mask: Int[Array | np.ndarray, "batch seq"] | None = None,
         *,
         logits_to_keep: int | None = None,
+        cache_dtype=None,
     ) -> tuple[Float[Array, "batch _ vocab"], KVCache]:
         """Runs a prompt into a new cache with room for `max_length` tokens per row.
 
@@ -116,14 +117,19 @@ class CausalLM(eqx.Module):
                 with a sliding window, a ring of at most `sliding_window` slots).
             attention_mask: `[batch, seq]`, 1 for real tokens, 0 for left padding.
             logits_to_keep: if given, logits only for the last this-many positions.
+            cache_dtype: the new cache's dtype (see `init_cache`); defaults to the model's.
 
         Returns:
             `(logits, cache)`: logits `[batch, seq or logits_to_keep, vocab]` and the
             `KVCache` holding the prompt.
         """
-        return self._forward(input_ids, attention_mask, None, max_length, logits_to_keep)
+        cache_dtype = None if cache_dtype is None else resolve_cache_dtype(cache_dtype)
+        return self._forward(input_ids, attention_mask, None, max_length, logits_to_keep, cache_dtype)
 
-    def _forward(self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep, segment_ids=None):
+    def _forward(
+        self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep, new_cache_dtype=None,
+        segment_ids=None,
+    ):
         input_ids = jnp.asarray(input_ids)
         if attention_mask is None:
             attention_mask = jnp.ones(input_ids.shape, jnp.int32)
@@ -134,7 +140,7 @@ class CausalLM(eqx.Module):
             attention_mask = placement.constrain(attention_mask, ("batch", None))
         with sharding.active(placement):  # blocks traced below see the mesh
             hidden, cache = self.model(
-                input_ids, attention_mask, cache, new_cache_length=new_cache_length,
+                input_ids, attention_mask, cache, new_cache_length=new_cache_length, new_cache_dtype=new_cache_dtype,
                 segment_ids=None if segment_ids is None else jnp.asarray(segment_ids, jnp.int32),
             )
             if logits_to_keep is not None:
@@ -218,13 +224,16 @@ class CausalLM(eqx.Module):
         Args:
             batch_size: rows.
             max_length: slots per row.
-            dtype: the cache dtype; defaults to the model's.
+            dtype: the cache dtype; defaults to the model's. `"int8"` stores keys
+                and values as int8 with a float32 scale per token and head: about
+                half the bytes of bfloat16, for long contexts.
 
         Returns:
             A `KVCache` with keys and values `[layers, batch_size, kv_heads,
             max_length or window, head_dim]`, nothing written.
         """
-        arguments = (self.config, batch_size, max_length, jnp.dtype(dtype or self.dtype), self.model.ring_window)
+        dtype = resolve_cache_dtype(dtype or self.dtype)
+        arguments = (self.config, batch_size, max_length, dtype, self.model.ring_window)
         if self.placement is None:
             return KVCache.for_config(*arguments)
         return _placed_cache_maker(arguments, self.placement)()

@@ -196,13 +196,15 @@ class Decoder(eqx.Module):
         cache: KVCache | PagedKVCache | None = None,
         *,
         new_cache_length: int | None = None,
+        new_cache_dtype=None,
         segment_ids: Int[Array, "batch seq"] | None = None,
     ) -> tuple[Float[Array, "batch seq hidden"], KVCache | PagedKVCache | None]:
         """Runs the stack; returns the final hidden states and the updated cache.
 
         With `cache=None` and `new_cache_length`, the tokens attend only to each
         other and their keys/values go into a new cache of that many slots (a
-        prefill that does not read an empty cache). `segment_ids` (packed
+        prefill that does not read an empty cache), of `new_cache_dtype` (default:
+        the embeddings' dtype). `segment_ids` (packed
         documents, no cache) keeps attention within each run of equal ids and
         restarts positions at each run's first token.
         """
@@ -259,7 +261,8 @@ class Decoder(eqx.Module):
         if cache is None and new_cache_length is not None:
             layers, batch, kv_heads, _, head_dim = new_keys.shape
             cache = KVCache.empty(
-                layers, batch, kv_heads, new_cache_length, head_dim, self.embed_tokens.weight.dtype, self.ring_window,
+                layers, batch, kv_heads, new_cache_length, head_dim, new_cache_dtype or self.embed_tokens.weight.dtype,
+                self.ring_window,
                 new_values.shape[-1],
             )
         if cache is not None:
