@@ -79,8 +79,9 @@ def single_thread_bandwidth_gb_s(probes: dict, nbytes: int = 1 << 30, repeats: i
     return nbytes / best / 1e9
 
 
-def prepare_ours(model, prompt: np.ndarray, new_tokens: int):
-    """Compiles prefill and decode; returns (prefill, step, figures) for interleaved timing."""
+def prepare_ours(model, prompt: np.ndarray, new_tokens: int, cache_dtype: str | None = None):
+    """Compiles prefill and decode; returns (prefill, step, figures) for interleaved timing.
+    `cache_dtype` is the KV cache's (default: the model's)."""
     batch, length = prompt.shape
     ids, mask = jnp.asarray(prompt), jnp.ones(prompt.shape, jnp.int32)
     max_length = length + new_tokens + 1
@@ -88,10 +89,10 @@ def prepare_ours(model, prompt: np.ndarray, new_tokens: int):
     key = jax.random.key(0)
 
     start = time.perf_counter()
-    _prefill.lower(model, ids, mask, key, max_length, sampling, ()).compile()
+    _prefill.lower(model, ids, mask, key, max_length, sampling, (), cache_dtype).compile()
     prefill_compile = time.perf_counter() - start
-    state, token = _prefill(model, ids, mask, key, max_length, sampling, ())
-    dummy = DecodeState(model.init_cache(batch, max_length), token, jnp.zeros(batch, bool), key)
+    state, token = _prefill(model, ids, mask, key, max_length, sampling, (), cache_dtype)
+    dummy = DecodeState(model.init_cache(batch, max_length, cache_dtype), token, jnp.zeros(batch, bool), key)
     start = time.perf_counter()
     compiled = _decode_step.lower(model, dummy, sampling, (), 0).compile()
     decode_compile = time.perf_counter() - start
@@ -100,7 +101,7 @@ def prepare_ours(model, prompt: np.ndarray, new_tokens: int):
     current = {}
 
     def prefill():
-        current["state"], token = _prefill(model, ids, mask, key, max_length, sampling, ())
+        current["state"], token = _prefill(model, ids, mask, key, max_length, sampling, (), cache_dtype)
         jax.block_until_ready(token)
 
     def step():
@@ -112,7 +113,8 @@ def prepare_ours(model, prompt: np.ndarray, new_tokens: int):
         "decode_compile_s": decode_compile,
         "decode_temp_bytes": int(memory.temp_size_in_bytes),
         "decode_alias_bytes": int(memory.alias_size_in_bytes),
-        "cache_bytes": int(state.cache.keys.nbytes + state.cache.values.nbytes),
+        "cache_bytes": int(sum(leaf.nbytes for leaf in (state.cache.keys, state.cache.values, state.cache.key_scales,
+                                                        state.cache.value_scales) if leaf is not None)),
     }
     return prefill, step, figures
 

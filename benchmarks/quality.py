@@ -11,7 +11,9 @@ Measures, as llama.cpp's `llama-perplexity` takes them: the text in chunks of
 `--ctx` tokens (the first replaced by BOS where the tokenizer adds one), each
 chunk's second half scored (token j+1 from the logits at j, j from ctx/2):
 perplexity, mean KL divergence of the next-token distribution from float32's,
-and how often the most likely token is float32's. Ours also: greedy agreement
+and how often the most likely token is float32's. With an int8 KV cache (ours) or
+a Q8_0 one (llama.cpp's) each chunk goes through that cache, every token reading
+keys and values as it stores them. Ours also: greedy agreement
 over 200 tokens (teacher-forced on float32's greedy continuation of the first
 prompt) and where free-running greedy decoding first leaves float32's.
 
@@ -34,6 +36,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -56,8 +59,16 @@ OURS = {  # name -> how the variant is made from the float32 folder or the GGUF 
     "Q8_0 GGUF read by eqx_models": dict(gguf="q8_0"),
     "Q4_0 GGUF (every matrix) read by eqx_models": dict(gguf="q4_0-pure"),
     "Q4_K_M GGUF read by eqx_models (dequantized, bfloat16)": dict(gguf="q4_k_m"),
+    "float32 weights, int8 KV cache": dict(cache="int8"),
 }
-LLAMA_CPP = {"Q8_0": "q8_0", "Q4_0 (every matrix)": "q4_0-pure", "Q4_K_M": "q4_k_m"}
+# llama.cpp's label -> (its GGUF, extra llama-perplexity arguments). Its quantized
+# value cache needs flash attention.
+LLAMA_CPP = {
+    "Q8_0": ("q8_0", []),
+    "Q4_0 (every matrix)": ("q4_0-pure", []),
+    "Q4_K_M": ("q4_k_m", []),
+    "F32 weights, Q8_0 KV cache": ("f32", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
+}
 
 
 def sampled_text(tokens: int = 2000) -> str:
@@ -116,20 +127,38 @@ def chunks(ids: list[int], ctx: int, bos: int | None) -> list[np.ndarray]:
     return out
 
 
-def log_probs(model, chunk: np.ndarray) -> np.ndarray:
-    logits = model(jnp.asarray(chunk[None]))[0][0].astype(jnp.float32)
-    return np.asarray(jax.nn.log_softmax(logits, axis=-1))
+@eqx.filter_jit
+def _through_cache(model, ids, cache_dtype: str):
+    """Logits of `ids` fed one token at a time through a new cache of `cache_dtype`:
+    every token then attends to keys and values as that cache stores them, its own
+    included (as llama.cpp, which writes a batch's keys to its cache before attending)."""
+    cache = model.init_cache(1, ids.shape[0], dtype=cache_dtype)
+
+    def step(cache, token):
+        logits, cache = model(token.reshape(1, 1), cache)
+        return cache, logits[0, 0]
+
+    return jax.lax.scan(step, cache, ids)[1]
+
+
+def log_probs(model, chunk: np.ndarray, cache_dtype: str | None = None) -> np.ndarray:
+    if cache_dtype is None:
+        logits = model(jnp.asarray(chunk[None]))[0][0]
+    else:
+        logits = _through_cache(model, jnp.asarray(chunk), cache_dtype)
+    return np.asarray(jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
 
 
 def measure_ours(variants: dict, token_chunks: list[np.ndarray], prompt: list[int]) -> dict:
     """Perplexity, KL from float32, same top token, greedy agreement, per variant."""
     sums = {name: dict(nll=0.0, kl=0.0, same_top=0, count=0) for name in variants}
+    cache_of = lambda name: OURS[name].get("cache")
     for chunk in token_chunks:
         first = len(chunk) // 2
         targets = chunk[first + 1 :]
         base = log_probs(variants["float32"], chunk)[first:-1]
         for name, model in variants.items():
-            lp = base if name == "float32" else log_probs(model, chunk)[first:-1]
+            lp = base if name == "float32" else log_probs(model, chunk, cache_of(name))[first:-1]
             s = sums[name]
             s["nll"] -= float(lp[np.arange(len(targets)), targets].sum())
             s["kl"] += float((np.exp(base) * (base - lp)).sum())
@@ -140,8 +169,8 @@ def measure_ours(variants: dict, token_chunks: list[np.ndarray], prompt: list[in
     out = {}
     for name, model in variants.items():
         s = sums[name]
-        predicted = np.asarray(model(jnp.asarray(sequence[None]))[0][0].argmax(-1))[len(prompt) - 1 : -1]
-        free = eqx_models.generate(model, prompt, max_new_tokens=200)[0]
+        predicted = log_probs(model, sequence, cache_of(name)).argmax(-1)[len(prompt) - 1 : -1]
+        free = eqx_models.generate(model, prompt, max_new_tokens=200, cache_dtype=cache_of(name))[0]
         leaves = np.nonzero(free != greedy)[0]
         out[name] = dict(
             perplexity=float(np.exp(s["nll"] / s["count"])),
@@ -163,8 +192,8 @@ def measure_llama_cpp(binary: Path, files: dict[str, Path], text_file: Path, ctx
                          capture_output=True, text=True, check=True)
     f32 = re.search(r"Final estimate: PPL = ([0-9.]+)", run.stdout + run.stderr)
     out = {"F32": dict(perplexity=float(f32.group(1)))}
-    for label, kind in LLAMA_CPP.items():
-        run = subprocess.run([tool, "-m", str(files[kind]), *common, "--kl-divergence-base", str(base),
+    for label, (kind, extra) in LLAMA_CPP.items():
+        run = subprocess.run([tool, "-m", str(files[kind]), *common, *extra, "--kl-divergence-base", str(base),
                               "--kl-divergence"], capture_output=True, text=True, check=True)
         text = run.stdout + run.stderr
         number = lambda pattern: float(re.search(pattern, text).group(1))
@@ -184,7 +213,7 @@ def load_variants(folder: Path, files: dict[str, Path]) -> dict:
             variants[name] = eqx_models.from_pretrained(files[how["gguf"]])
         elif "quantize" in how:
             variants[name] = quantize(base, keep_indivisible=True, **how["quantize"])
-        else:
+        else:  # float32 weights (with the cache `how` names)
             variants[name] = base
     return variants
 

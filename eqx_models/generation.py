@@ -86,7 +86,8 @@ def _finished(token: Int[Array, " batch"], eos_ids: tuple[int, ...]) -> Bool[Arr
 
 @eqx.filter_jit
 def _prefill(
-    model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple, cache_dtype: str | None
+    model, input_ids, attention_mask, key, max_length: int, sampling: Sampling, eos_ids: tuple,
+    cache_dtype: str | None = None,
 ):
     _TRACE_COUNTS["prefill"] += 1
     logits, cache = model.prefill(input_ids, max_length, attention_mask, logits_to_keep=1, cache_dtype=cache_dtype)

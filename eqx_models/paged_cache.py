@@ -8,9 +8,9 @@ replaced between steps without moving any cached key or value.
 
 import equinox as eqx
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from .cache import StateView
+from .cache import StateView, dequantize_rows, quantize_rows, resolve_cache_dtype
 from .kernels import gather_pages, paged_decode_attention, write_pages
 
 
@@ -22,11 +22,13 @@ class PagedLayerKV(eqx.Module):
     reads them in place.
     """
 
-    keys: Float[Array, "layers pages kv_heads page_size head_dim"]
-    values: Float[Array, "layers pages kv_heads page_size value_dim"]
+    keys: Shaped[Array, "layers pages kv_heads page_size head_dim"]
+    values: Shaped[Array, "layers pages kv_heads page_size value_dim"]
     block_tables: Int[Array, "batch pages_per_row"]
     index: Int[Array, ""]
     state: StateView | None = None
+    key_scales: Float[Array, "layers pages kv_heads page_size"] | None = None
+    value_scales: Float[Array, "layers pages kv_heads page_size"] | None = None
 
     @property
     def dtype(self):
@@ -36,15 +38,22 @@ class PagedLayerKV(eqx.Module):
         self, dtype=None
     ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq value_dim"]]:
         """Each row's keys and values of this layer, slot `s` = the row's token `s`
-        (in the pool's dtype; `dtype` is for the `LayerKV` interface)."""
-        return (
-            gather_pages(self.keys, self.index, self.block_tables),
-            gather_pages(self.values, self.index, self.block_tables),
-        )
+        (an int8 pool's dequantized to `dtype`, default float32)."""
+        gather = lambda pool: gather_pages(pool, self.index, self.block_tables)
+        if self.key_scales is None:
+            return gather(self.keys), gather(self.values)
+        dtype = dtype or jnp.float32
+        scales = lambda pool: gather(pool[..., None])[..., 0]
+        keys = dequantize_rows(gather(self.keys), scales(self.key_scales), dtype)
+        if not self.values.shape[-1]:
+            return keys, gather(self.values).astype(dtype)
+        return keys, dequantize_rows(gather(self.values), scales(self.value_scales), dtype)
 
     def as_stored(self, x: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
-        """`x` rounded to the pool's dtype, in float32."""
-        return x.astype(self.dtype).astype(jnp.float32)
+        """`x` (keys or values of new tokens) rounded as the pool stores it, in float32."""
+        if self.key_scales is None:
+            return x.astype(self.dtype).astype(jnp.float32)
+        return dequantize_rows(*quantize_rows(x))
 
     def attend_token(
         self,
@@ -57,9 +66,12 @@ class PagedLayerKV(eqx.Module):
         sinks: Float[Array, "kv_heads groups"] | None = None,
     ) -> Float[Array, "batch kv_heads groups value_dim"]:
         """One new token per row against this layer's pages (`kernels.paged_decode_attention`)."""
+        values, value_scales = (
+            (self.values, self.value_scales) if self.values.shape[-1] else (self.keys, self.key_scales)
+        )
         return paged_decode_attention(
-            query, self.keys, self.values if self.values.shape[-1] else self.keys, self.index, self.block_tables,
-            valid, self_valid, new_key, new_value, scale, sinks,
+            query, self.keys, values, self.index, self.block_tables, valid, self_valid, new_key, new_value, scale,
+            sinks, self.key_scales, value_scales,
         )
 
 
@@ -89,14 +101,18 @@ class PagedKVCache(eqx.Module):
         positions: `[batch]`, tokens already cached per row.
         state: the pool of recurrent states, or None.
         state_slots: `[batch]`, each row's slot in `state` (None without one).
+        key_scales, value_scales: `[layers, pages, kv_heads, page_size]` float32
+            scales of an int8 pool (one per token and head, see `KVCache`), else None.
     """
 
-    keys: Float[Array, "layers pages kv_heads page_size head_dim"]
-    values: Float[Array, "layers pages kv_heads page_size value_dim"]
+    keys: Shaped[Array, "layers pages kv_heads page_size head_dim"]
+    values: Shaped[Array, "layers pages kv_heads page_size value_dim"]
     block_tables: Int[Array, "batch pages_per_row"]
     positions: Int[Array, " batch"]
     state: eqx.Module | None = None
     state_slots: Int[Array, " batch"] | None = None
+    key_scales: Float[Array, "layers pages kv_heads page_size"] | None = None
+    value_scales: Float[Array, "layers pages kv_heads page_size"] | None = None
 
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         """The logical axes of each array (for sharding rules); pages are never split.
@@ -106,14 +122,14 @@ class PagedKVCache(eqx.Module):
         """
         pool = ("layers", None, "kv_heads", None, "head_dim")
         return {"keys": pool, "values": pool, "block_tables": ("batch", None), "positions": ("batch",),
-                "state_slots": ("batch",)}
+                "state_slots": ("batch",), "key_scales": pool[:-1], "value_scales": pool[:-1]}
 
     @staticmethod
     def empty_pool(
         num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int, dtype=jnp.float32,
         value_dim: int | None = None,
-    ) -> tuple[Array, Array]:
-        """Zeroed key and value pools.
+    ) -> tuple[Array, Array, Array | None, Array | None]:
+        """Zeroed key and value pools, and their scales for an int8 pool.
 
         Args:
             num_layers: layers (the leading axis of the pools).
@@ -121,17 +137,21 @@ class PagedKVCache(eqx.Module):
             num_kv_heads: key/value heads.
             page_size: token slots per page.
             head_dim: width of one key (and, by default, value) row.
-            dtype: keys and values dtype.
+            dtype: keys and values dtype (float32, bfloat16, float16 or int8).
             value_dim: width of a value row when it differs from `head_dim`; 0 for
                 values read from the keys' first channels.
 
         Returns:
-            `(keys, values)`, `[num_layers, num_pages, num_kv_heads, page_size, head_dim]`
-            and the same with `value_dim` last.
+            `(keys, values, key_scales, value_scales)`: `[num_layers, num_pages,
+            num_kv_heads, page_size, head_dim]`, the same with `value_dim` last,
+            and for int8 float32 scales without the last axis (else None).
         """
+        dtype = resolve_cache_dtype(dtype)
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
         value_dim = head_dim if value_dim is None else value_dim
-        return jnp.zeros(shape, dtype), jnp.zeros((*shape[:-1], value_dim), dtype)
+        scales = lambda width: jnp.zeros(shape[:-1], jnp.float32) if dtype == jnp.int8 and width else None
+        return (jnp.zeros(shape, dtype), jnp.zeros((*shape[:-1], value_dim), dtype), scales(head_dim),
+                scales(value_dim))
 
     @property
     def page_size(self) -> int:
@@ -172,7 +192,8 @@ class PagedKVCache(eqx.Module):
         """
         state = self.state if state is None else state
         view = None if state is None else StateView(state, index, self.state_slots, self.positions == 0)
-        return PagedLayerKV(self.keys, self.values, self.block_tables, index, view)
+        return PagedLayerKV(self.keys, self.values, self.block_tables, index, view, self.key_scales,
+                            self.value_scales)
 
     def new_positions(self, attention_mask: Int[Array, "batch seq"]) -> Int[Array, "batch seq"]:
         """Positions of the tokens about to be appended.
@@ -218,6 +239,13 @@ class PagedKVCache(eqx.Module):
         page_index = jnp.minimum(checked // self.page_size, self.block_tables.shape[1] - 1)
         page = jnp.take_along_axis(self.block_tables, page_index, axis=1)
         slots = jnp.where(real, page * self.page_size + checked % self.page_size, -1)
+        key_scales, value_scales = self.key_scales, self.value_scales
+        if key_scales is not None:
+            new_keys, new_key_scales = quantize_rows(new_keys)
+            key_scales = write_pages(key_scales, new_key_scales, slots)
+        if value_scales is not None:
+            new_values, new_value_scales = quantize_rows(new_values)
+            value_scales = write_pages(value_scales, new_value_scales, slots)
         return PagedKVCache(
             keys=write_pages(self.keys, new_keys, slots),
             values=write_pages(self.values, new_values, slots) if self.values.size else self.values,
@@ -225,4 +253,6 @@ class PagedKVCache(eqx.Module):
             positions=self.positions + jnp.sum(attention_mask, axis=-1, dtype=jnp.int32),
             state=self.state if new_state is None else new_state,
             state_slots=self.state_slots,
+            key_scales=key_scales,
+            value_scales=value_scales,
         )

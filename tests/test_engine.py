@@ -2,6 +2,7 @@
 
 import copy
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from conftest import STORIES, require_fixture
@@ -34,6 +35,27 @@ def test_batched_greedy_outputs_equal_generate_and_pages_come_back(stories):
         assert tokenizer.decode(prompt) + out.text == tokenizer.decode(prompt + out.token_ids)
         assert out.finish_reason == "length"
     assert engine.stats() == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
+
+
+def test_an_int8_page_pool_serves_what_generate_gives_with_an_int8_cache(stories):
+    model, tokenizer = stories
+    # Each prompt in one chunk, as generate prefills it (a later chunk would read the
+    # earlier one back from the integers).
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=256, page_size=4, num_pages=64,
+                    kv_cache_dtype="int8")
+    assert engine.pools[0].dtype == jnp.int8 and engine.pools[2].shape == engine.pools[0].shape[:-1]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    outs = engine.generate(prompts, SamplingParams(max_tokens=24, temperature=0))
+    for prompt, out in zip(prompts, outs):
+        want = eqx_models.generate(model, prompt, max_new_tokens=24, cache_dtype="int8")[0].tolist()
+        assert out.token_ids == want[: len(out.token_ids)] and len(out.token_ids) > 0
+    # The same memory holds more pages: a row is head_dim bytes and a float32 scale in
+    # int8, 2 * head_dim bytes in bfloat16 (about twice as many pages at head_dim 128).
+    budget = 1 << 20
+    pages = {dtype: Engine(model, tokenizer, kv_cache_memory=budget, kv_cache_dtype=dtype).allocator.num_pages
+             for dtype in ("bfloat16", "int8")}
+    head_dim = model.config.head_dim
+    assert pages["int8"] / pages["bfloat16"] == pytest.approx(2 * head_dim / (head_dim + 4), rel=0.02)
 
 
 def test_a_small_pool_preempts_and_recomputes_without_losing_anything(stories, caplog):

@@ -176,6 +176,35 @@ def test_int8_decode_attention_equals_float64_attention_over_the_scaled_rows(
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
+def test_paged_int8_decode_attention_reads_each_rows_pages_and_scales():
+    rng = np.random.default_rng(11)
+    layers, batch, kv_heads, groups, page_size, per_row, head_dim = 2, 2, 2, 3, 4, 5, 16
+    pages = batch * per_row + 3
+    keys = jnp.asarray(rng.integers(-127, 128, (layers, pages, kv_heads, page_size, head_dim)), jnp.int8)
+    values = jnp.asarray(rng.integers(-127, 128, keys.shape), jnp.int8)
+    key_scales = jnp.asarray(rng.uniform(0.001, 0.05, keys.shape[:-1]), jnp.float32)
+    value_scales = jnp.asarray(rng.uniform(0.001, 0.02, keys.shape[:-1]), jnp.float32)
+    tables = rng.permutation(pages)[: batch * per_row].reshape(batch, per_row).astype(np.int32)
+    query = rng.standard_normal((batch, kv_heads, groups, head_dim)).astype(np.float32)
+    valid = rng.random((batch, per_row * page_size)) < 0.8
+    self_valid = np.ones(batch, bool)
+    new_key, new_value = (rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32) for _ in range(2))
+    scale = head_dim**-0.5
+
+    def rows(pool, scales):  # each row's slots, laid end to end, times their scales
+        scaled = np.asarray(pool[1], np.float64) * np.asarray(scales[1], np.float64)[..., None]
+        return scaled[tables].transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, per_row * page_size, head_dim)
+
+    want = attention_float64(query, rows(keys, key_scales), rows(values, value_scales), valid, self_valid, new_key,
+                             new_value, scale)
+    args = (query, keys, values, jnp.int32(1), jnp.asarray(tables), valid, self_valid, new_key, new_value)
+    got = jax.jit(paged_decode_attention, static_argnums=9)(*args, scale, None, key_scales, value_scales)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    reference = _paged_attention_reference(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
+                                           scale=scale)
+    np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
+
+
 def test_decode_attention_wants_scales_with_an_int8_cache_only():
     keys = jnp.zeros((1, 1, 1, 4, 8), jnp.int8)
     args = (jnp.zeros((1, 1, 1, 8)), keys, keys, jnp.int32(0), jnp.ones((1, 4), bool), jnp.ones(1, bool),
@@ -284,7 +313,7 @@ def test_paged_decode_attention_reads_each_rows_pages(dtype, page_size, pages_pe
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     no_sinks = _sinks_or_none(None, kv_heads, groups)
     np.testing.assert_allclose(
-        _paged_attention_reference(*args, no_sinks, scale=head_dim**-0.5), want, atol=1e-5, rtol=0
+        _paged_attention_reference(*args, no_sinks, *NO_SCALES, scale=head_dim**-0.5), want, atol=1e-5, rtol=0
     )
 
 

@@ -10,12 +10,13 @@ from eqx_models.paged_cache import PagedKVCache
 PAGE_SIZE = 4
 
 
-def paged_cache(model, tables: np.ndarray, num_pages: int) -> PagedKVCache:
+def paged_cache(model, tables: np.ndarray, num_pages: int, dtype=jnp.float32) -> PagedKVCache:
     config = model.config
-    keys, values = PagedKVCache.empty_pool(
-        config.num_hidden_layers, num_pages, config.num_key_value_heads, PAGE_SIZE, config.head_dim
+    keys, values, key_scales, value_scales = PagedKVCache.empty_pool(
+        config.num_hidden_layers, num_pages, config.num_key_value_heads, PAGE_SIZE, config.head_dim, dtype
     )
-    return PagedKVCache(keys, values, jnp.asarray(tables, jnp.int32), jnp.zeros(len(tables), jnp.int32))
+    return PagedKVCache(keys, values, jnp.asarray(tables, jnp.int32), jnp.zeros(len(tables), jnp.int32),
+                        key_scales=key_scales, value_scales=value_scales)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -62,3 +63,21 @@ def test_padding_rows_write_nothing_and_a_row_past_its_pages_is_an_error():
     assert np.abs(np.asarray(after.keys)[:, 3]).sum() > 0 and np.abs(np.asarray(after.keys)[:, 1, :, 0]).sum() > 0
     with pytest.raises(Exception, match="PagedKVCache overflow"):
         model(np.ones((2, 4), np.int32), after, np.array([[1, 1, 1, 1], [0, 0, 0, 0]], np.int32))
+
+
+@pytest.mark.parametrize("architecture", ["qwen3", "mistral_window"])
+def test_an_int8_pool_gives_what_an_int8_kv_cache_gives(architecture):
+    """The same integers and scales per token, kept in pages: prompt chunks, then decode."""
+    model = small_model(**ARCHITECTURES[architecture])
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, model.config.vocab_size, (2, 20)).astype(np.int32)
+    tables = rng.permutation(16)[:12].reshape(2, 6).astype(np.int32)
+    paged, contiguous = paged_cache(model, tables, 16, "int8"), model.init_cache(2, 24, dtype="int8")
+    for start, stop in [(0, 7), (7, 12), *((t, t + 1) for t in range(12, 20))]:
+        want, contiguous = model(ids[:, start:stop], contiguous)
+        got, paged = model(ids[:, start:stop], paged)
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert paged.keys.dtype == jnp.int8 and paged.key_scales.shape == paged.keys.shape[:-1]
+    for row in range(2 if contiguous.window is None else 0):  # token t sits in page tables[row, t // PAGE_SIZE]
+        pages = paged.keys[:, tables[row]].transpose(0, 2, 1, 3, 4).reshape(*contiguous.keys.shape[:1], -1, 24, 16)
+        np.testing.assert_array_equal(pages[:, :, :20], contiguous.keys[:, row, :, :20])

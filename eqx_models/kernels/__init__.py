@@ -212,6 +212,15 @@ def _no_scales() -> Array:
     return jnp.zeros((0,), jnp.float32)
 
 
+def _checked_scales(keys: Array, values: Array, key_scales, value_scales) -> tuple[Array, Array]:
+    """The scales to pass (empty for a float cache), or a ValueError when they do not go with the dtypes."""
+    if (keys.dtype == jnp.int8) != (key_scales is not None) or (values.dtype == jnp.int8) != (
+        value_scales is not None
+    ):
+        raise ValueError("decode_attention: int8 key/value stacks need their scales, and only they take scales.")
+    return (_no_scales() if key_scales is None else key_scales, _no_scales() if value_scales is None else value_scales)
+
+
 def _layer_rows(stack: Array, scales: Array, layer: Array) -> Array:
     """`stack[layer]` in float32, times its per-row `scales[layer]` when they are given."""
     rows = jax.lax.dynamic_index_in_dim(stack, layer, keepdims=False).astype(jnp.float32)
@@ -279,12 +288,7 @@ def decode_attention(
     widened in registers. Inference only: no derivative is defined.
     """
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
-    if (key_stack.dtype == jnp.int8) != (key_scales is not None) or (value_stack.dtype == jnp.int8) != (
-        value_scales is not None
-    ):
-        raise ValueError("decode_attention: int8 key/value stacks need their scales, and only they take scales.")
-    key_scales = _no_scales() if key_scales is None else key_scales
-    value_scales = _no_scales() if value_scales is None else value_scales
+    key_scales, value_scales = _checked_scales(key_stack, value_stack, key_scales, value_scales)
     return _dispatch(
         functools.partial(_attention_kernel, scale=scale),
         functools.partial(_attention_reference, scale=scale),
@@ -304,32 +308,40 @@ def gather_pages(
     return pages.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, per_row * page_size, head_dim)
 
 
+def _gathered_scales(scales: Array, layer: Array, block_tables: Array) -> Array:
+    if not scales.size:
+        return scales
+    return gather_pages(scales[..., None], layer, block_tables)[None, ..., 0]
+
+
 def _paged_attention_reference(
-    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, scale
+    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, key_scales,
+    value_scales, scale,
 ):
     keys = gather_pages(key_pool, layer, block_tables)[None]
     values = gather_pages(value_pool, layer, block_tables)[None]
     return _attention_reference(
-        query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, sinks, _no_scales(), _no_scales(),
-        scale,
+        query, keys, values, jnp.int32(0), valid, self_valid, new_key, new_value, sinks,
+        _gathered_scales(key_scales, layer, block_tables), _gathered_scales(value_scales, layer, block_tables), scale,
     )
 
 
 def _paged_attention_kernel(
-    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, scale
+    query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, key_scales,
+    value_scales, scale,
 ):
     out = jax.ShapeDtypeStruct((*query.shape[:3], new_value.shape[-1]), jnp.float32)
     call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, out, vmap_method="sequential")
     return call(
         query, key_pool, value_pool, layer.astype(jnp.int32).reshape(()), block_tables.astype(jnp.int32), valid,
-        self_valid, new_key, new_value, sinks, _no_scales(), _no_scales(), scale=np.float32(scale),
+        self_valid, new_key, new_value, sinks, key_scales, value_scales, scale=np.float32(scale),
     )
 
 
 def paged_decode_attention(
     query: Float[Array, "batch kv_heads groups head_dim"],
-    key_pool: Float[Array, "layers pages kv_heads page_size head_dim"],
-    value_pool: Float[Array, "layers pages kv_heads page_size value_width"],
+    key_pool: Shaped[Array, "layers pages kv_heads page_size head_dim"],
+    value_pool: Shaped[Array, "layers pages kv_heads page_size value_width"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "batch pages_per_row"],
     valid: Bool[Array, "batch kv_seq"],
@@ -338,15 +350,20 @@ def paged_decode_attention(
     new_value: Float[Array, "batch kv_heads value_dim"],
     scale: float,
     sinks: Float[Array, "kv_heads groups"] | None = None,
+    key_scales: Float[Array, "layers pages kv_heads page_size"] | None = None,
+    value_scales: Float[Array, "layers pages kv_heads page_size"] | None = None,
 ) -> Float[Array, "batch kv_heads groups value_dim"]:
     """`decode_attention` over a paged pool: row `b`'s slot `s` (of
     `kv_seq = pages_per_row * page_size`) is in page `block_tables[b, s // page_size]`.
-    The pages are read in place; every table entry must name a page of the pool."""
+    The pages (and an int8 pool's scales, laid out like them) are read in place;
+    every table entry must name a page of the pool."""
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
+    key_scales, value_scales = _checked_scales(key_pool, value_pool, key_scales, value_scales)
     return _dispatch(
         functools.partial(_paged_attention_kernel, scale=scale),
         functools.partial(_paged_attention_reference, scale=scale),
-        query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks,
+        query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, key_scales,
+        value_scales,
     )
 
 
@@ -355,7 +372,8 @@ def _write_pages_reference(pool: Array, update: Array, slots: Array) -> Array:
     page_size = pool.shape[3]
     # -1 (padding) becomes a page past the end, which the scatter drops.
     pages = jnp.where(slots < 0, pool.shape[1], slots // page_size)
-    written = bits(pool).at[:, pages, :, slots % page_size].set(bits(update).transpose(1, 3, 0, 2, 4), mode="drop")
+    by_token = bits(update).transpose(1, 3, 0, 2, *range(4, update.ndim))
+    written = bits(pool).at[:, pages, :, slots % page_size].set(by_token, mode="drop")
     return jax.lax.bitcast_convert_type(written, pool.dtype) if pool.dtype.itemsize == 2 else written
 
 
@@ -368,12 +386,13 @@ def _write_pages_kernel(pool: Array, update: Array, slots: Array) -> Array:
 
 
 def write_pages(
-    pool: Shaped[Array, "layers pages kv_heads page_size head_dim"],
-    update: Shaped[Array, "layers batch kv_heads new head_dim"],
+    pool: Shaped[Array, "layers pages kv_heads page_size *head_dim"],
+    update: Shaped[Array, "layers batch kv_heads new *head_dim"],
     slots: Int[Array, "batch new"],
-) -> Shaped[Array, "layers pages kv_heads page_size head_dim"]:
+) -> Shaped[Array, "layers pages kv_heads page_size *head_dim"]:
     """`pool` with token `t` of row `b` written at slot `slots[b, t]` (page * page_size
-    + offset) of every layer; -1 writes nothing. In place when the pool is donated."""
+    + offset) of every layer; -1 writes nothing. In place when the pool is donated.
+    The last axis may be absent (one item per slot: an int8 cache's scales)."""
     return _dispatch(_write_pages_kernel, _write_pages_reference, pool, update.astype(pool.dtype), slots)
 
 

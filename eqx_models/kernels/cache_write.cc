@@ -3,14 +3,13 @@
 // buffer: [layers, batch, kv_heads, kv_seq, head_dim], update: [layers, batch,
 // kv_heads, new, head_dim] of the same dtype, written at slot `start`; with `wrap`
 // (a ring buffer, for sliding-window layers) slots past the end continue at slot 0.
-// 4-d arrays without the last axis (an int8 cache's per-slot scales) are written
-// the same way, one item per slot.
 // The result aliases `buffer`. XLA:CPU widens a bfloat16 `dynamic-update-slice` to float32
 // and so rewrites the whole cache every step; this copies only the new bytes.
 //
 // `write_pages` is the same for a paged pool [layers, pages, kv_heads, page_size,
 // head_dim]: token t of row b goes to slot `slots[b, t]` (page * page_size + offset),
-// or nowhere where that is -1 (padding).
+// or nowhere where that is -1 (padding). Both take 4-d arrays without the last
+// axis too (an int8 cache's per-slot scales), one item per slot.
 
 #include <cstdint>
 #include <cstring>
@@ -54,15 +53,16 @@ ffi::Error WritePages(ffi::AnyBuffer buffer, ffi::AnyBuffer update, ffi::Buffer<
   auto b_dims = buffer.dimensions();
   auto u_dims = update.dimensions();
   auto s_dims = slots.dimensions();
-  if (b_dims.size() != 5 || u_dims.size() != 5 || buffer.element_type() != update.element_type())
-    return ffi::Error::InvalidArgument("write_pages: want two 5-d arrays of one dtype");
-  if (b_dims[0] != u_dims[0] || b_dims[2] != u_dims[2] || b_dims[4] != u_dims[4] || s_dims.size() != 2 ||
-      s_dims[0] != u_dims[1] || s_dims[1] != u_dims[3])
+  const size_t rank = b_dims.size();
+  if ((rank != 4 && rank != 5) || u_dims.size() != rank || buffer.element_type() != update.element_type())
+    return ffi::Error::InvalidArgument("write_pages: want two 4-d or 5-d arrays of one dtype");
+  if (b_dims[0] != u_dims[0] || b_dims[2] != u_dims[2] || (rank == 5 && b_dims[4] != u_dims[4]) ||
+      s_dims.size() != 2 || s_dims[0] != u_dims[1] || s_dims[1] != u_dims[3])
     return ffi::Error::InvalidArgument("write_pages: shapes disagree");
   const int64_t layers = b_dims[0], pages = b_dims[1], heads = b_dims[2], page_size = b_dims[3];
   const int64_t rows = u_dims[1], count = u_dims[3];
   const int64_t item = static_cast<int64_t>(ffi::ByteWidth(buffer.element_type()));
-  const int64_t width = b_dims[4] * item;  // bytes per slot and head
+  const int64_t width = (rank == 5 ? b_dims[4] : 1) * item;  // bytes per slot and head
   const int32_t* slot = slots.typed_data();
   for (int64_t i = 0; i < rows * count; ++i)
     if (slot[i] < -1 || slot[i] >= pages * page_size)

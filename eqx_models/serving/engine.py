@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..cache import resolve_cache_dtype
 from ..nn.causal_lm import CausalLM
 from ..paged_cache import PagedKVCache
 from ..tokenizer import StreamDecoder, Tokenizer
@@ -137,6 +138,9 @@ class Engine:
             running sequence, plus one). Default: a pool of
             `DEFAULT_KV_CACHE_BYTES`, or less if that is more than `max_num_seqs`
             full-length sequences need.
+        kv_cache_dtype: the pages' dtype (default: the model's); `"int8"` keeps a
+            float32 scale per token and head and fits about twice the tokens of
+            bfloat16 in the same memory.
         seed: seeds the requests that do not bring their own.
     """
 
@@ -151,9 +155,11 @@ class Engine:
         page_size: int = 16,
         num_pages: int | None = None,
         kv_cache_memory: int | None = None,
+        kv_cache_dtype=None,
         seed: int = 0,
     ):
         config = model.config
+        kv_cache_dtype = resolve_cache_dtype(kv_cache_dtype or model.dtype)
         limit = config.max_position_embeddings
         self.max_model_len = max_model_len or limit
         if not 0 < self.max_model_len <= limit:
@@ -177,10 +183,10 @@ class Engine:
         self.page_size = page_size
         self.pages_per_seq = math.ceil(self.max_model_len / page_size)
         layout = config.cache_layout()
-        page_bytes = (
-            config.num_blocks * layout.kv_heads * page_size * (layout.key_dim + layout.value_dim)
-            * jnp.dtype(model.dtype).itemsize
-        )
+        row_bytes = (layout.key_dim + layout.value_dim) * kv_cache_dtype.itemsize
+        if kv_cache_dtype == jnp.int8:  # a float32 scale per key row and per value row
+            row_bytes += 4 * (bool(layout.key_dim) + bool(layout.value_dim))
+        page_bytes = config.num_blocks * layout.kv_heads * page_size * row_bytes
         # A model with a recurrent state gets one slot per running sequence, and a
         # scratch slot (number max_num_seqs) for the rows that pad a call. Its shape
         # only: the state itself is made once, with the pools.
@@ -203,7 +209,9 @@ class Engine:
                 )
         self.allocator = PageAllocator(num_pages)
         pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
-        self.pools = self._empty_pools(pool_shape, model.dtype, layout.value_dim)
+        self.kv_cache_dtype = kv_cache_dtype
+        self._pool_shape, self._value_dim = pool_shape, layout.value_dim
+        self.pools = self._empty_pools()
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
         self.waiting: collections.deque[_Sequence] = collections.deque()
@@ -228,14 +236,15 @@ class Engine:
             self.max_model_len, max_num_seqs,
         )
 
-    def _empty_pools(self, shape: tuple[int, ...], dtype, value_dim: int) -> tuple:
-        """The key and value pools, and the recurrent-state pool (or None)."""
+    def _empty_pools(self) -> tuple:
+        """The key and value pools, their scales (int8) or None, and the
+        recurrent-state pool (or None)."""
         # Committed to a device like the step's outputs that replace them: jit keys
         # its compiled code on that too, and would otherwise compile every shape twice.
-        pools = PagedKVCache.empty_pool(*shape, dtype=dtype, value_dim=value_dim)
+        pools = PagedKVCache.empty_pool(*self._pool_shape, dtype=self.kv_cache_dtype, value_dim=self._value_dim)
         state = None
         if self._state_slots is not None:
-            state = self.model.config.recurrent_state(self.max_num_seqs + 1, dtype)
+            state = self.model.config.recurrent_state(self.max_num_seqs + 1, self.model.dtype)
         return jax.device_put((*pools, state), jax.devices()[0])
 
     # ----------------------------------------------------------------- requests
@@ -369,7 +378,7 @@ class Engine:
                 self.running.clear()
                 self.waiting.clear()
                 if any(pool.is_deleted() for pool in jax.tree.leaves(self.pools)):  # donated to the failed call
-                    self.pools = self._empty_pools(self.pools[0].shape, self.pools[0].dtype, self.pools[1].shape[-1])
+                    self.pools = self._empty_pools()
 
     # ------------------------------------------------------------------- steps
 
@@ -498,8 +507,9 @@ class Engine:
         def forward(params, pools, batch, *, sampled: bool, filters: bool, logprobs: bool, all_logits: bool):
             counts["prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
             model = eqx.combine(params, static)
-            keys, values, state = pools
-            cache = PagedKVCache(keys, values, batch["tables"], batch["positions"], state, batch["state_slots"])
+            keys, values, key_scales, value_scales, state = pools
+            cache = PagedKVCache(keys, values, batch["tables"], batch["positions"], state, batch["state_slots"],
+                                 key_scales, value_scales)
             logits, cache = model(batch["ids"], cache, batch["mask"], logits_to_keep=None if all_logits else 1)
             last = logits[:, -1]
             tokens = sample_rows(
@@ -511,7 +521,7 @@ class Engine:
                 out["logprob"], out["top_ids"], out["top_logprobs"] = token_logprobs(last, tokens)
             if all_logits:
                 out["prompt"] = token_logprobs(logits, batch["targets"])
-            return (cache.keys, cache.values, cache.state), out
+            return (cache.keys, cache.values, cache.key_scales, cache.value_scales, cache.state), out
 
         return forward
 
