@@ -141,10 +141,26 @@ def quality_table(quality: dict) -> str:
                         f"{r['same_top_token_pct']:.1f} | {r['greedy_agreement_200_pct']:.1f} | "
                         f"{'never' if first is None else first} |")
         for name, r in entry["llama_cpp"].items():
+            if "not_run" in r:
+                rows.append(f"| {name} | llama.cpp | not run: {r['not_run']} | | | | |")
+                continue
             rows.append(f"| {name} | llama.cpp | {r['perplexity']:.5g} | {number(r.get('mean_kl_vs_float32'), 6)} | "
                         f"{number(r.get('same_top_token_pct'), 1)} | | |")
         blocks.append("\n".join(rows))
     return "\n\n".join(blocks)
+
+
+def kv_cache_table(kv: dict) -> str:
+    """Decode at a long context by cache dtype, ours beside llama.cpp's cache of the same width."""
+    rows = ["| KV cache | cache bytes at the context | eqx_models decode tok/s | llama.cpp decode tok/s | ratio |",
+            "|---|---:|---:|---:|---:|"]
+    names = {"bfloat16": "bfloat16 (llama.cpp F16)", "int8": "int8 (llama.cpp Q8_0)"}
+    for cache, name in names.items():
+        entry = kv["summary"][cache]
+        rows.append(f"| {name} | {entry['live_cache_bytes'] / 1e6:.0f} MB | "
+                    f"{entry['eqx_models_decode_tokens_per_s']:.1f} | {entry['llama_cpp_decode_tokens_per_s']:.1f} | "
+                    f"{entry['decode_ratio']:.2f}x |")
+    return "\n".join(rows)
 
 
 def main():
@@ -226,6 +242,9 @@ def main():
     quality = load("quality")
     if quality:
         print("\n" + quality_table(quality))
+    kv = load("kv_cache")
+    if kv:
+        print("\n" + kv_cache_table(kv))
     quantized = load("quantized")
     if quantized:
         print("\n" + quantized_table(quantized))

@@ -24,7 +24,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "bfloat16.h"
@@ -36,6 +38,10 @@ namespace ffi = xla::ffi;
 namespace {
 
 using eqx_models::to_float;
+
+// Query heads per key/value head the kernel takes (GQA groups are 1-16 in practice;
+// MLA's absorbed attention has one key/value head for all of them).
+constexpr int64_t kMaxGroups = 256;
 
 // Sixteen partial sums, so the loop vectorises without reassociating float math.
 template <typename T>
@@ -76,10 +82,53 @@ struct Problem {
   }
 };
 
+// Sixteen partial sums, as `dot`.
+inline float sum(const float* a, int64_t n) {
+  float partial[16] = {0};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) partial[j] += a[i + j];
+  float total = 0.0f;
+  for (; i < n; ++i) total += a[i];
+  for (int j = 0; j < 16; ++j) total += partial[j];
+  return total;
+}
+
+// e^x for x <= 0, in plain float arithmetic the compiler vectorises (std::exp is a
+// library call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
+// polynomial to r^7 (relative error below 1e-8), 2^n built in the exponent bits.
+// Below -87 (masked slots are -inf) the result is exactly 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = std::max(x, -87.0f);
+  // Rounded to the nearest integer by adding and taking away 1.5 * 2^23.
+  const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
+  const float r = (clamped - n * 0.693145752f) - n * 1.42860677e-6f;  // ln 2 in two parts
+  float poly = 1.0f / 5040.0f;
+  poly = poly * r + 1.0f / 720.0f;
+  poly = poly * r + 1.0f / 120.0f;
+  poly = poly * r + 1.0f / 24.0f;
+  poly = poly * r + 1.0f / 6.0f;
+  poly = poly * r + 0.5f;
+  poly = poly * r + 1.0f;
+  poly = poly * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float power;
+  std::memcpy(&power, &bits, sizeof(power));
+  return x < -87.0f ? 0.0f : poly * power;
+}
+
+// An int8 row as float32 in `out`: widened once, then read by every query head of
+// the group (bfloat16 widens with a shift, cheaply enough to repeat in registers).
+inline const float* widened(const int8_t* row, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = static_cast<float>(row[i]);
+  return out;
+}
+
 // One (batch row, kv head): scores for all slots, softmax, weighted sum of values.
 // Slots are visited in order, so keys and values stream from memory once each.
 template <typename T>
-__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
+__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h,
+                                                      std::vector<float>& scores, std::vector<float>& row) {
   const int64_t S = p.S, D = p.D, G = p.G, Dv = p.Dv;
   const T* keys = static_cast<const T*>(p.keys);
   const T* values = static_cast<const T*>(p.values);
@@ -89,6 +138,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   const float* v_new = p.v_new + (b * p.H + h) * Dv;
   const float* sinks = p.sinks + h * G;
   float* out = p.out + (b * p.H + h) * G * Dv;
+  row.resize(std::max(D, Dv));
 
   // A row with nothing to attend to (a padding query) averages every slot, as the
   // XLA path does: its output is ignored, but it must stay finite.
@@ -98,48 +148,55 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   // scores[g * (S + 1) + s]; slot S is this step's own key. Masked slots stay at
   // -inf, so their weight below is exp(-inf) = 0.
   scores.assign(G * (S + 1), -INFINITY);
-  std::vector<float> row_max(G, -INFINITY);
+  float row_max[kMaxGroups], total[kMaxGroups];
+  std::fill(row_max, row_max + G, -INFINITY);
   for (int64_t s = 0; s <= S; ++s) {
     const bool allowed = !any || (s < S ? valid[s] : p.self_valid[b]);
     if (!allowed) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      float score;
-      if (s == S) {
-        score = p.scale * dot(qg, k_new, D);
-      } else {
-        const int64_t row = p.slot_row(b, h, s);
-        score = p.scale * dot(qg, keys + row * D, D);
-        if (p.key_scales != nullptr) score *= p.key_scales[row];
+    auto score = [&](const auto* key, float key_scale) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float value = p.scale * key_scale * dot(q + g * D, key, D);
+        scores[g * (S + 1) + s] = value;
+        row_max[g] = std::max(row_max[g], value);
       }
-      scores[g * (S + 1) + s] = score;
-      row_max[g] = std::max(row_max[g], score);
+    };
+    if (s == S) {
+      score(k_new, 1.0f);
+    } else {
+      const int64_t slot = p.slot_row(b, h, s);
+      if constexpr (std::is_same_v<T, int8_t>)
+        score(widened(keys + slot * D, D, row.data()), p.key_scales[slot]);
+      else
+        score(keys + slot * D, 1.0f);
     }
   }
-  std::vector<float> total(G, 0.0f);
   for (int64_t g = 0; g < G; ++g) {
     if (sinks[g] > row_max[g]) row_max[g] = sinks[g];
-    total[g] = std::exp(sinks[g] - row_max[g]);  // 0 without a sink
+    const float top = row_max[g];
     float* sg = scores.data() + g * (S + 1);
-    for (int64_t s = 0; s <= S; ++s) {
-      sg[s] = std::exp(sg[s] - row_max[g]);
-      total[g] += sg[s];
-    }
+    for (int64_t s = 0; s <= S; ++s) sg[s] = exp_nonpositive(sg[s] - top);
+    total[g] = sum(sg, S + 1) + exp_nonpositive(sinks[g] - top);  // 0 without a sink (-inf)
   }
   std::fill(out, out + G * Dv, 0.0f);
   for (int64_t s = 0; s <= S; ++s) {
-    for (int64_t g = 0; g < G; ++g) {
-      float weight = scores[g * (S + 1) + s] / total[g];
-      if (weight == 0.0f) continue;
-      float* og = out + g * Dv;
-      if (s < S) {
-        const int64_t row = p.slot_row(b, h, s);
-        if (p.value_scales != nullptr) weight *= p.value_scales[row];
-        const T* v = values + row * p.value_stride;
-        for (int64_t d = 0; d < Dv; ++d) og[d] += weight * to_float(v[d]);
-      } else {
-        for (int64_t d = 0; d < Dv; ++d) og[d] += weight * v_new[d];
+    bool used = false;
+    for (int64_t g = 0; g < G && !used; ++g) used = scores[g * (S + 1) + s] != 0.0f;
+    if (!used) continue;
+    auto accumulate = [&](const auto* value, float value_scale) {
+      for (int64_t g = 0; g < G; ++g) {
+        const float weight = scores[g * (S + 1) + s] / total[g] * value_scale;
+        float* og = out + g * Dv;
+        for (int64_t d = 0; d < Dv; ++d) og[d] += weight * to_float(value[d]);
       }
+    };
+    if (s == S) {
+      accumulate(v_new, 1.0f);
+    } else {
+      const int64_t slot = p.slot_row(b, h, s);
+      if constexpr (std::is_same_v<T, int8_t>)
+        accumulate(widened(values + slot * p.value_stride, Dv, row.data()), p.value_scales[slot]);
+      else
+        accumulate(values + slot * p.value_stride, 1.0f);
     }
   }
 }
@@ -150,25 +207,26 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
 #else
 #define CLONES
 #endif
-CLONES void attend_f32(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
-  attend_one<float>(p, b, h, scores);
+CLONES void attend_f32(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
+  attend_one<float>(p, b, h, scores, row);
 }
-CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
-  attend_one<uint16_t>(p, b, h, scores);
+CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
+  attend_one<uint16_t>(p, b, h, scores, row);
 }
-CLONES void attend_s8(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores) {
-  attend_one<int8_t>(p, b, h, scores);
+CLONES void attend_s8(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
+  attend_one<int8_t>(p, b, h, scores, row);
 }
 
 void run(const Problem& problem) {
   eqx_models::parallel_for(problem.B * problem.H, [&](int64_t task) {
-    thread_local std::vector<float> scores;
+    thread_local std::vector<float> scores, row;
+    const int64_t b = task / problem.H, h = task % problem.H;
     if (problem.type == ffi::DataType::BF16)
-      attend_bf16(problem, task / problem.H, task % problem.H, scores);
+      attend_bf16(problem, b, h, scores, row);
     else if (problem.type == ffi::DataType::S8)
-      attend_s8(problem, task / problem.H, task % problem.H, scores);
+      attend_s8(problem, b, h, scores, row);
     else
-      attend_f32(problem, task / problem.H, task % problem.H, scores);
+      attend_f32(problem, b, h, scores, row);
   });
 }
 
@@ -216,6 +274,8 @@ ffi::Error check(const char* name, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& key
   auto n_dims = v_new.dimensions();
   if (n_dims.size() != 3 || n_dims[2] > v_dims[4])
     return ffi::Error::InvalidArgument(std::string(name) + ": the new value is wider than the value cache's rows");
+  if (q_dims[2] > kMaxGroups)
+    return ffi::Error::InvalidArgument(std::string(name) + ": more than 256 query heads per key/value head");
   if (sinks.dimensions().size() != 2 || sinks.dimensions()[0] != q_dims[1] || sinks.dimensions()[1] != q_dims[2])
     return ffi::Error::InvalidArgument(std::string(name) + ": want sinks [kv_heads, groups]");
   const int64_t index = layer.typed_data()[0];
