@@ -11,7 +11,7 @@ from .kernels import decode_attention, write_slots
 # The dtypes a cache stores its keys and values in. "int8" keeps one float32 scale
 # per token and head beside the integers (about half of bfloat16's bytes at
 # head_dim 128), see `quantize_rows`.
-CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
+CACHE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8")
 
 
 def resolve_cache_dtype(dtype) -> jnp.dtype:
@@ -210,8 +210,8 @@ class KVCache(eqx.Module):
             max_length: slots per row (a ring of `min(max_length, window)` slots with
                 a `window`).
             head_dim: width of one key (and, by default, value) row.
-            dtype: keys and values dtype: float32, bfloat16, float16, or int8
-                (with a float32 scale per token and head).
+            dtype: keys and values dtype: float32, bfloat16, float16, float64 (with
+                JAX's x64 mode), or int8 (with a float32 scale per token and head).
             window: the sliding window, or None for a plain buffer.
             value_dim: width of a value row when it differs from `head_dim`; 0 for
                 values read from the keys' first channels (see `LayerKV`).

@@ -395,8 +395,8 @@ def test_generate_with_an_int8_cache_keeps_the_stories_greedy_text():
 
 def test_an_unknown_cache_dtype_names_the_ones_there_are():
     model = small_model()
-    for dtype in ("int4", "float64", "fp8"):
-        with pytest.raises(ValueError, match="float32, bfloat16, float16, int8"):
+    for dtype in ("int4", "int16", "fp8"):
+        with pytest.raises(ValueError, match="float32, bfloat16, float16, float64, int8"):
             model.init_cache(1, 8, dtype=dtype)
     with pytest.raises(ValueError, match="int8"):
         eqx_models.generate(model, [1, 2], max_new_tokens=2, cache_dtype="q8_0")
