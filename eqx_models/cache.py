@@ -17,11 +17,13 @@ CACHE_DTYPES = ("float32", "bfloat16", "float16", "float64", "int8")
 def resolve_cache_dtype(dtype) -> jnp.dtype:
     """`dtype` as a cache dtype, or a ValueError naming the ones there are."""
     try:
-        resolved = jnp.dtype(dtype)
+        resolved = None if dtype is None else jnp.dtype(dtype)
     except TypeError:
         resolved = None
     if resolved is None or resolved.name not in CACHE_DTYPES:
         raise ValueError(f"A KV cache dtype must be one of {', '.join(CACHE_DTYPES)}; got {dtype!r}.")
+    if resolved == jnp.float64 and not jax.config.jax_enable_x64:
+        raise ValueError("A float64 KV cache needs JAX's 64-bit mode: jax.config.update('jax_enable_x64', True).")
     return resolved
 
 
@@ -282,6 +284,7 @@ class KVCache(eqx.Module):
         Returns:
             A `LayerKV` view: the whole stacks plus the index, nothing copied.
         """
+        _check_scales(self)
         state = self.state if state is None else state
         view = None
         if state is not None:
@@ -330,6 +333,7 @@ class KVCache(eqx.Module):
         Returns:
             The updated `KVCache`.
         """
+        _check_scales(self)
         seq = new_keys.shape[3]
         real = attention_mask.astype(bool)
         new_slot_positions = jnp.where(real, self.new_positions(attention_mask), -1)
@@ -371,3 +375,13 @@ class KVCache(eqx.Module):
             value_scales=value_scales,
         )
 
+
+def _check_scales(cache) -> None:
+    """Raises unless an int8 cache (`KVCache` or `PagedKVCache`) carries its scales and a float one none."""
+    for name, rows, scales in (("key", cache.keys, cache.key_scales), ("value", cache.values, cache.value_scales)):
+        if rows.shape[-1] and (rows.dtype == jnp.int8) != (scales is not None):
+            raise ValueError(
+                f"A KV cache's {name}s are {rows.dtype} with{'out' if scales is None else ''} {name}_scales: int8 "
+                "rows need one float32 scale per token and head, float rows none. Make caches with "
+                "model.init_cache(..., dtype=...) or PagedKVCache.empty_pool(...)."
+            )

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from .cache import StateView, dequantize_rows, quantize_rows, resolve_cache_dtype
+from .cache import StateView, _check_scales, dequantize_rows, quantize_rows, resolve_cache_dtype
 from .kernels import gather_pages, paged_decode_attention, write_pages
 
 
@@ -190,6 +190,7 @@ class PagedKVCache(eqx.Module):
         Returns:
             A `PagedLayerKV` view: the whole pools, the block tables and the index.
         """
+        _check_scales(self)
         state = self.state if state is None else state
         view = None if state is None else StateView(state, index, self.state_slots, self.positions == 0)
         return PagedLayerKV(self.keys, self.values, self.block_tables, index, view, self.key_scales,
@@ -228,6 +229,7 @@ class PagedKVCache(eqx.Module):
         Returns:
             The updated `PagedKVCache` (a row past its block table's pages raises).
         """
+        _check_scales(self)
         real = attention_mask.astype(bool)
         positions = self.new_positions(attention_mask)
         checked = eqx.error_if(

@@ -400,3 +400,10 @@ def test_an_unknown_cache_dtype_names_the_ones_there_are():
             model.init_cache(1, 8, dtype=dtype)
     with pytest.raises(ValueError, match="int8"):
         eqx_models.generate(model, [1, 2], max_new_tokens=2, cache_dtype="q8_0")
+    with pytest.raises(ValueError, match="64-bit mode"):
+        model.init_cache(1, 8, dtype="float64")
+    # int8 rows without their scales would be written as truncated floats: refused.
+    unscaled = eqx.tree_at(lambda c: (c.key_scales, c.value_scales), model.init_cache(1, 8, dtype="int8"),
+                           (None, None), is_leaf=lambda x: x is None)
+    with pytest.raises(ValueError, match="keys are int8 without key_scales"):
+        model(random_ids((1, 2)), cache=unscaled)

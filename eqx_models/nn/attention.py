@@ -115,6 +115,15 @@ def use_decode_kernel(seq: int, cached, softcap: float | None = None) -> bool:
     )
 
 
+def _as_stored(cached, k: Array, v: Array) -> tuple[Array, Array]:
+    """`k` and `v` rounded as the cache will hold them (float32). A cache without value
+    rows keeps a value as its key's first channels, rounded with the key."""
+    stored_k = cached.as_stored(k)
+    if not cached.values.shape[-1]:
+        return stored_k, stored_k[..., : v.shape[-1]]
+    return stored_k, cached.as_stored(v)
+
+
 def attend(
     q: Float[Array, "batch heads seq head_dim"],
     k: Float[Array, "batch kv_heads seq head_dim"],
@@ -142,19 +151,20 @@ def attend(
     if use_decode_kernel(seq, cached, softcap):
         # One token per row against the cache read in place. The new key/value
         # are rounded first, as the cache will hold them.
-        as_cached = lambda a: cached.as_stored(a[:, :, 0])
+        stored_k, stored_v = _as_stored(cached, k[:, :, 0], v[:, :, 0])
         out = cached.attend_token(
             q.reshape(batch, num_kv_heads, groups, head_dim).astype(jnp.float32),
             inputs.cached_allowed[:, 0],
             inputs.new_allowed[:, 0, 0],
-            as_cached(k),
-            as_cached(v),
+            stored_k,
+            stored_v,
             scale,
             None if sinks is None else sinks.reshape(num_kv_heads, groups),
         ).astype(q.dtype)[:, :, :, None]
     else:
         if cached is not None and seq == 1:  # a decode step without the kernel: rounded alike
-            k, v = cached.as_stored(k).astype(k.dtype), cached.as_stored(v).astype(v.dtype)
+            stored_k, stored_v = _as_stored(cached, k, v)
+            k, v = stored_k.astype(k.dtype), stored_v.astype(v.dtype)
         q = q.reshape(batch, num_kv_heads, groups, seq, head_dim)
         keys, values, allowed = [k], [v], [inputs.new_allowed]
         if cached is not None:
