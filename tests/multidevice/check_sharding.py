@@ -103,17 +103,14 @@ def run(model, ids, mask) -> dict[str, np.ndarray]:
     cache followed by single-token steps."""
     logits, _ = model(ids, attention_mask=mask)
     tokens = generate(model, ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, eos_token_id=[])
-    out = {"logits": np.asarray(logits), "tokens": tokens}
-    for dtype in (None, "int8"):
-        cache = model.init_cache(ids.shape[0], 32, dtype=dtype)
-        step, cache = prefill(model, ids, cache, mask)
-        stepwise = [step[:, -1]]
-        for i in range(DECODE_STEPS):
-            step, cache = decode(model, tokens[:, i : i + 1], cache)
-            stepwise.append(step[:, -1])
-        suffix = "_int8" if dtype else ""
-        out["stepwise" + suffix], out["cache" + suffix] = np.asarray(jnp.stack(stepwise, 1)), cache
-    return out
+    cache = model.init_cache(ids.shape[0], 32)
+    step, cache = prefill(model, ids, cache, mask)
+    stepwise = [step[:, -1]]
+    for i in range(DECODE_STEPS):
+        step, cache = decode(model, tokens[:, i : i + 1], cache)
+        stepwise.append(step[:, -1])
+    return {"logits": np.asarray(logits), "tokens": tokens, "stepwise": np.asarray(jnp.stack(stepwise, 1)),
+            "cache": cache}
 
 
 @pytest.fixture(scope="module")
@@ -172,20 +169,9 @@ def test_sharded_run_equals_single_device(references, model_name, preset):
     got = run(model, ids, mask)
     assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
     assert np.max(np.abs(got["stepwise"] - expected["stepwise"])) < 1e-4
-    # An int8 cache holds the same integers and scales, split like the float cache.
-    # Keys that differ by float32 rounding can round to neighbouring integers where
-    # they lie half-way: a rare step of one, whose effect the logits then carry.
-    ints = lambda cache: np.asarray(cache.keys, np.int32)
-    changed = np.abs(ints(got["cache_int8"]) - ints(expected["cache_int8"]))
-    assert changed.max() <= 1 and changed.mean() < 1e-3, (changed.max(), changed.mean())
-    np.testing.assert_allclose(got["cache_int8"].key_scales, expected["cache_int8"].key_scales, rtol=1e-5, atol=0)
-    assert np.max(np.abs(got["stepwise_int8"] - expected["stepwise_int8"])) < 2e-2
     np.testing.assert_array_equal(got["tokens"], expected["tokens"])
-    for cache, leaf_name in [("cache", "keys"), ("cache", "values"), ("cache_int8", "keys"),
-                             ("cache_int8", "key_scales")]:
-        leaf = getattr(got[cache], leaf_name)
-        if leaf_name == "key_scales":  # per token: the cache's split without its head_dim axis
-            cache_spec = P(*tuple(cache_spec)[:4])
+    for leaf_name in ("keys", "values"):
+        leaf = getattr(got["cache"], leaf_name)
         assert leaf.sharding.spec == cache_spec, f"cache {leaf_name}: {leaf.sharding.spec}"
         block = NamedSharding(mesh, cache_spec).shard_shape(leaf.shape)
         assert all(shard.data.shape == block for shard in leaf.addressable_shards)
