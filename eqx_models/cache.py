@@ -45,6 +45,26 @@ def dequantize_rows(q: Int[Array, "*rows width"], scale: Float[Array, " *rows"],
     return (q.astype(jnp.float32) * scale[..., None]).astype(dtype)
 
 
+def read_rows(view, take, take_scales, dtype=None) -> tuple[Array, Array]:
+    """A layer view's keys and values, each stack read through `take` (its scales
+    through `take_scales`); an int8 cache's dequantized to `dtype` (default float32).
+    Serves `LayerKV` and `PagedLayerKV`, which differ only in how they read a layer."""
+    if view.key_scales is None:
+        return take(view.keys), take(view.values)
+    dtype = dtype or jnp.float32
+    keys = dequantize_rows(take(view.keys), take_scales(view.key_scales), dtype)
+    if not view.values.shape[-1]:
+        return keys, take(view.values).astype(dtype)
+    return keys, dequantize_rows(take(view.values), take_scales(view.value_scales), dtype)
+
+
+def round_as_stored(x: Float[Array, "*rows width"], dtype) -> Float[Array, "*rows width"]:
+    """`x` rounded as a cache of `dtype` stores it (int8: per row, see `quantize_rows`), in float32."""
+    if dtype == jnp.int8:
+        return dequantize_rows(*quantize_rows(x))
+    return x.astype(dtype).astype(jnp.float32)
+
+
 class StateView(eqx.Module):
     """A layer's access to a cache's recurrent state (see `DecoderConfig.recurrent_state`).
 
@@ -98,19 +118,11 @@ class LayerKV(eqx.Module):
         """This layer's keys and values (an int8 cache's dequantized to `dtype`,
         default float32)."""
         take = lambda stack: jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
-        if self.key_scales is None:
-            return take(self.keys), take(self.values)
-        dtype = dtype or jnp.float32
-        keys = dequantize_rows(take(self.keys), take(self.key_scales), dtype)
-        if not self.values.shape[-1]:
-            return keys, take(self.values).astype(dtype)
-        return keys, dequantize_rows(take(self.values), take(self.value_scales), dtype)
+        return read_rows(self, take, take, dtype)
 
     def as_stored(self, x: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
         """`x` (keys or values of new tokens) rounded as this cache stores it, in float32."""
-        if self.key_scales is None:
-            return x.astype(self.dtype).astype(jnp.float32)
-        return dequantize_rows(*quantize_rows(x))
+        return round_as_stored(x, self.dtype)
 
     def attend_token(
         self,

@@ -10,7 +10,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from .cache import StateView, _check_scales, dequantize_rows, quantize_rows, resolve_cache_dtype
+from .cache import StateView, _check_scales, quantize_rows, read_rows, resolve_cache_dtype, round_as_stored
 from .kernels import gather_pages, paged_decode_attention, write_pages
 
 
@@ -40,20 +40,11 @@ class PagedLayerKV(eqx.Module):
         """Each row's keys and values of this layer, slot `s` = the row's token `s`
         (an int8 pool's dequantized to `dtype`, default float32)."""
         gather = lambda pool: gather_pages(pool, self.index, self.block_tables)
-        if self.key_scales is None:
-            return gather(self.keys), gather(self.values)
-        dtype = dtype or jnp.float32
-        scales = lambda pool: gather(pool[..., None])[..., 0]
-        keys = dequantize_rows(gather(self.keys), scales(self.key_scales), dtype)
-        if not self.values.shape[-1]:
-            return keys, gather(self.values).astype(dtype)
-        return keys, dequantize_rows(gather(self.values), scales(self.value_scales), dtype)
+        return read_rows(self, gather, lambda scales: gather(scales[..., None])[..., 0], dtype)
 
     def as_stored(self, x: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:
         """`x` (keys or values of new tokens) rounded as the pool stores it, in float32."""
-        if self.key_scales is None:
-            return x.astype(self.dtype).astype(jnp.float32)
-        return dequantize_rows(*quantize_rows(x))
+        return round_as_stored(x, self.dtype)
 
     def attend_token(
         self,
