@@ -26,6 +26,15 @@ def _placed_cache_maker(arguments: tuple, placement: "sharding.Placement"):
     return jax.jit(make, out_shardings=sharding.shardings(jax.eval_shape(make), placement))
 
 
+@eqx.filter_jit
+def _compiled_forward(model: "CausalLM", *arguments, **keywords):
+    """`model._forward` compiled once per shape and option: called outside `jit`,
+    a plain forward pass would otherwise run op by op and compile the layer scan
+    afresh on every call (a decode loop of eager calls spends most of its time
+    there). Inside a caller's `jit` it is inlined."""
+    return model._forward(*arguments, **keywords)
+
+
 class CausalLM(eqx.Module):
     """Decoder-only language model (HF's `*ForCausalLM`): what `from_pretrained`
     returns.
@@ -95,7 +104,7 @@ class CausalLM(eqx.Module):
             activation dtype, and the cache with this call's keys/values appended
             (None when no cache was given).
         """
-        return self._forward(input_ids, attention_mask, cache, None, logits_to_keep, segment_ids=segment_ids)
+        return _compiled_forward(self, input_ids, attention_mask, cache, None, logits_to_keep, segment_ids=segment_ids)
 
     def prefill(
         self,
@@ -124,7 +133,7 @@ class CausalLM(eqx.Module):
             `KVCache` holding the prompt.
         """
         cache_dtype = None if cache_dtype is None else resolve_cache_dtype(cache_dtype)
-        return self._forward(input_ids, attention_mask, None, max_length, logits_to_keep, cache_dtype)
+        return _compiled_forward(self, input_ids, attention_mask, None, max_length, logits_to_keep, cache_dtype)
 
     def _forward(
         self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep, new_cache_dtype=None,
