@@ -182,20 +182,26 @@ def test_other_families_match_transformers(family, tmp_path):
     np.testing.assert_allclose(ours(model, ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_q4_0_file_loads_packed(files, scan_layers):
+@pytest.fixture(scope="module")
+def q4_0_file(files):
     """Every matrix Q4_0 (as `llama-quantize --pure`), by llama.cpp's reference
-    quantizer; the integers and scales are the file's blocks as they are."""
-    path = rewrite(files["qwen_f32"], files["root"] / f"qwen3-q4_0-{scan_layers}.gguf",
+    quantizer, and transformers' logits on the weights as the file stores them."""
+    path = rewrite(files["qwen_f32"], files["root"] / "qwen3-q4_0.gguf",
                    lambda name, x: quantized(x, Q.Q4_0) if x.ndim == 2 else None)
+    ids = np.asarray([[9707, 11, 1879, 0, 3555, 374, 264, 1273]])
+    return path, ids, hf_logits(files["qwen"], ids, roundtrip_like(path, files["qwen"], gguf.MODEL_ARCH.QWEN3))
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_q4_0_file_loads_packed(q4_0_file, scan_layers):
+    """The integers and scales are the file's blocks as they are."""
+    path, ids, reference = q4_0_file
     model = eqx_models.from_pretrained(path, scan_layers=scan_layers)
     weights = [w for w in jax.tree.leaves(model, is_leaf=is_quantized) if is_quantized(w)]
     assert len(weights) == 8 and all(w.bits == 4 for w in weights)  # 7 per layer + the tied embedding
     stored = dequantized_file(path)["blk.0.attn_q.weight"]
     q = model.model.layers.self_attn.q_proj.weight
     np.testing.assert_array_equal(np.asarray(q.dequantize(jnp.float32)[0]), stored)
-    ids = np.asarray([[9707, 11, 1879, 0, 3555, 374, 264, 1273]])
-    reference = hf_logits(files["qwen"], ids, roundtrip_like(path, files["qwen"], gguf.MODEL_ARCH.QWEN3))
     np.testing.assert_allclose(ours(with_activations(model, "float"), ids), reference, atol=1e-4, rtol=0)
 
 
