@@ -125,3 +125,13 @@ def release_compiled_code() -> None:
 def _release_compiled_code_after_each_module():
     yield
     release_compiled_code()
+
+
+# The longest items (minutes each, alone on one worker) start first: with
+# `pytest -n auto` on a few cores the other workers take the rest meanwhile, instead
+# of waiting at the end for one that began late.
+LONGEST_FIRST = ("test_sharded_runs_on_eight_cpu_devices",)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.originalname not in LONGEST_FIRST)
