@@ -254,14 +254,14 @@ class GGUFFile:
 
     def blocks(self, name: str) -> tuple[int, np.ndarray, np.ndarray]:
         """A Q8_0 or Q4_0 tensor split into `(bits, integers, scales)`: the bytes
-        of each block after its float16 scale, and the scales, `[rows, groups]`."""
+        of each block after its float16 scale, and the scales, `[..., rows, groups]`."""
         kind = self.type_name(name)
         bits = {"Q8_0": 8, "Q4_0": 4}[kind]
-        width = self.shape(name)[-1]
+        *rows, width = self.shape(name)  # rows: `[out]`, or `[experts, out]` for a layer's experts
         per_block = 32 * bits // 8
-        raw = self.tensors[name].data.reshape(-1, width // 32, 2 + per_block)
+        raw = self.tensors[name].data.reshape(*rows, width // 32, 2 + per_block)
         scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
-        integers = raw[..., 2:].reshape(-1, width * bits // 8)
+        integers = raw[..., 2:].reshape(*rows, width * bits // 8)
         return bits, integers.view(np.int8) if bits == 8 else integers, scales
 
 

@@ -305,7 +305,7 @@ def from_pretrained(
     def load(entry):
         names, stacked, target, transposed, leaf_dtype, quantized = entry
         if quantized is not None:
-            return _load_quantized_leaf(source, names, stacked, quantized)
+            return _load_quantized_leaf(source, names, stacked, quantized, transposed)
         return _load_leaf(source, names, stacked, leaf_dtype, target, map_weights, transposed)
 
     # Reading is copying from the page cache (or disk) in the kernel, outside the
@@ -348,25 +348,43 @@ def _quantizer(spec: QuantizationSpec):
     return jax.jit(lambda rows: (lambda q: (q.packed, q.scales))(quantize_weight(rows, **options)))
 
 
-def _load_quantized_leaf(source: TensorSource, names: list[str], stacked: tuple[int, ...], spec: QuantizationSpec):
+def _load_quantized_leaf(
+    source: TensorSource, names: list[str], stacked: tuple[int, ...], spec: QuantizationSpec, transposed: bool = False
+):
     """Reads a float weight leaf a block of rows at a time and quantizes each
-    block into the leaf's integers and scales (both returned)."""
-    out_features, in_features = source.shape(names[0])
-    packed = aligned_empty((*stacked, out_features, in_features * spec.bits // 8),
+    block into the leaf's integers and scales (both returned). A tensor holding
+    several matrices (a layer's fused experts, `transposed` as `[experts, in, out]`)
+    is read whole, one tensor at a time."""
+    tensor_shape = source.shape(names[0])
+    *inner, out_features, in_features = _swap_last(tensor_shape) if transposed else tensor_shape
+    packed = aligned_empty((*stacked, *inner, out_features, in_features * spec.bits // 8),
                            np.dtype(np.int8 if spec.bits == 8 else np.uint8))
-    scales = aligned_empty((*stacked, out_features, in_features // spec.group_size), jnp.dtype(spec.scale_dtype))
+    scales = aligned_empty((*stacked, *inner, out_features, in_features // spec.group_size), jnp.dtype(spec.scale_dtype))
     packed_parts = packed.reshape(-1, *packed.shape[-2:])
     scale_parts = scales.reshape(-1, *scales.shape[-2:])
     block = max(1, min(out_features, QUANTIZE_CHUNK_BYTES // (4 * in_features)))
     staging = np.zeros((block, in_features), np.float32)  # one compiled shape: the last block is padded
     quantizer = _quantizer(spec)
-    for i, name in enumerate(names):
+
+    def quantize_matrix(part: int, read_rows) -> None:
         for start in range(0, out_features, block):
             rows = range(start, min(out_features, start + block))
-            source.read_into(name, staging[: len(rows)], rows)
+            read_rows(rows, staging[: len(rows)])
             q, s = quantizer(staging)
-            packed_parts[i, start : rows.stop] = np.asarray(q)[: len(rows)]
-            scale_parts[i, start : rows.stop] = np.asarray(s)[: len(rows)]
+            packed_parts[part, start : rows.stop] = np.asarray(q)[: len(rows)]
+            scale_parts[part, start : rows.stop] = np.asarray(s)[: len(rows)]
+
+    if not inner and not transposed:
+        for i, name in enumerate(names):
+            quantize_matrix(i, lambda rows, into: source.read_into(name, into, rows))
+        return _to_jax(packed), _to_jax(scales)
+    whole = np.empty(tensor_shape, np.float32)
+    for i, name in enumerate(names):
+        source.read_into(name, whole)
+        matrices = whole.reshape(-1, *tensor_shape[-2:])
+        for j, matrix in enumerate(matrices):
+            matrix = matrix.T if transposed else matrix
+            quantize_matrix(i * len(matrices) + j, lambda rows, into: np.copyto(into, matrix[rows.start : rows.stop]))
     return _to_jax(packed), _to_jax(scales)
 
 

@@ -225,14 +225,22 @@ def _child(node, key):
     return node[key.idx if isinstance(key, jax.tree_util.SequenceKey) else key.key]
 
 
-def quantizable_layers(model, *, embeddings: bool = True, lm_head: bool = True) -> list[tuple[tuple, Any, tuple]]:
+def is_expert_stack(weight) -> bool:
+    """Whether a (float or quantized) linear weight is a stack of experts'
+    weights, `[layers, experts, out, in]`."""
+    return len(weight.shape) > 3
+
+
+def quantizable_layers(
+    model, *, embeddings: bool = True, lm_head: bool = True, experts: bool = True
+) -> list[tuple[tuple, Any, tuple]]:
     """The `Linear` and `Embedding` layers of `model` whose weights `quantize`
     replaces: `(path, layer, logical axes of its (out, in) weight)` each.
 
-    Passed over: weights already quantized, routers, expert stacks
-    (`[layers, experts, out, in]`), the weights a module lists in its
-    `float_children`, and the embedding table or an untied head when `embeddings`
-    or `lm_head` is False.
+    Passed over: weights already quantized, routers, the weights a module lists in
+    its `float_children`, and the embedding table, an untied head or the expert
+    stacks (`[layers, experts, out, in]`) when `embeddings`, `lm_head` or `experts`
+    is False.
     """
     from .nn.linear import Embedding, Linear
 
@@ -248,8 +256,10 @@ def quantizable_layers(model, *, embeddings: bool = True, lm_head: bool = True) 
         keep = name in getattr(parent, "float_children", ()) or (name == "lm_head" and not lm_head)
         if isinstance(node, Embedding):
             keep = keep or not embeddings
-        elif node.axes[0] == "router" or node.weight.ndim > 3:
+        elif node.axes[0] == "router":
             keep = True
+        elif is_expert_stack(node.weight):
+            keep = keep or not experts
         if not keep:
             found.append((tuple(path), node, ("vocab", "embed") if isinstance(node, Embedding) else node.axes))
     return found
@@ -257,7 +267,7 @@ def quantizable_layers(model, *, embeddings: bool = True, lm_head: bool = True) 
 
 def quantize(
     model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, activations: str = "int8",
-    embeddings: bool = True, lm_head: bool = True, keep_indivisible: bool = False,
+    embeddings: bool = True, lm_head: bool = True, experts: bool = True, keep_indivisible: bool = False,
 ):
     """`model` with its linear weights (and embedding table) replaced by `QuantizedWeight`s.
 
@@ -273,17 +283,19 @@ def quantize(
         embeddings: also quantize the token embedding table (rows are dequantized
             as they are looked up; a tied head reads it quantized too).
         lm_head: also quantize an untied output head.
+        experts: also quantize the experts of mixture-of-experts layers (most of
+            such a model's bytes; each expert's groups lie along its own rows).
         keep_indivisible: leave float the layers whose input width `group_size`
             does not divide (llama.cpp falls back the same way) instead of
             raising.
 
     Returns:
-        The quantized model. Kept in their dtype: norms, biases, routers, expert
-        stacks (`[layers, experts, out, in]`), and the weights a module lists in
-        its `float_children` (those it reads other than through `Linear`).
+        The quantized model. Kept in their dtype: norms, biases, routers, and the
+        weights a module lists in its `float_children` (those it reads other than
+        through `Linear`).
     """
     swaps = []
-    for path, node, axes in quantizable_layers(model, embeddings=embeddings, lm_head=lm_head):
+    for path, node, axes in quantizable_layers(model, embeddings=embeddings, lm_head=lm_head, experts=experts):
         if node.weight.shape[-1] % group_size:
             if not keep_indivisible:
                 raise ValueError(
@@ -336,17 +348,18 @@ class QuantizationSpec:
     embeddings: bool = True
     lm_head: bool = True
     keep_indivisible: bool = False
+    experts: bool = True
 
     def options(self) -> dict:
         return dict(bits=self.bits, group_size=self.group_size, scale_dtype=jnp.dtype(self.scale_dtype),
                     activations=self.activations, embeddings=self.embeddings, lm_head=self.lm_head,
-                    keep_indivisible=self.keep_indivisible)
+                    keep_indivisible=self.keep_indivisible, experts=self.experts)
 
     def to_hf(self) -> dict:
         """The `quantization_config` entry of `config.json`."""
         return dict(quant_method=FORMAT, format_version=FORMAT_VERSION, bits=self.bits, group_size=self.group_size,
                     scale_dtype=self.scale_dtype, activations=self.activations, embeddings=self.embeddings,
-                    lm_head=self.lm_head, keep_indivisible=self.keep_indivisible)
+                    lm_head=self.lm_head, keep_indivisible=self.keep_indivisible, experts=self.experts)
 
 
 def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
@@ -356,7 +369,7 @@ def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
     if isinstance(quantize, str):
         if quantize not in PRESETS:
             raise ValueError(f"quantize={quantize!r} is not known; use one of {sorted(PRESETS)} (or a mapping of "
-                             "bits, group_size, scale_dtype, activations, embeddings, lm_head, keep_indivisible).")
+                             "bits, group_size, scale_dtype, activations, embeddings, lm_head, experts, keep_indivisible).")
         return QuantizationSpec(**PRESETS[quantize])
     return QuantizationSpec(**dict(quantize))
 
@@ -378,7 +391,8 @@ def spec_from_hf(entry: dict, where: str) -> QuantizationSpec:
             f"eqx_models reads version {FORMAT_VERSION}. Upgrade eqx_models, or re-quantize from the float checkpoint."
         )
     names = [f.name for f in dataclasses.fields(QuantizationSpec)]
-    fields = {k: entry[k] for k in names if k in entry}
+    # Checkpoints written before experts could be quantized held them float.
+    fields = dict(experts=False) | {k: entry[k] for k in names if k in entry}
     return QuantizationSpec(**fields)
 
 
@@ -408,6 +422,7 @@ def spec_of(model) -> QuantizationSpec | None:
         embeddings=embed is not None and isinstance(embed.weight, QuantizedWeight),
         lm_head=head is not None and isinstance(head.weight, QuantizedWeight),
         keep_indivisible=any(layer.weight.shape[-1] % group_size for layer in float_layers),
+        experts=not any(is_expert_stack(layer.weight) for layer in float_layers),
     )
 
 

@@ -77,7 +77,11 @@ def roundtrip_like(gguf_path, folder, arch):
     """The checkpoint's parameters as the GGUF file stores them: each HF tensor
     quantized and dequantized by llama.cpp's reference code in the type its GGUF
     tensor has (the converter's choice), found through gguf-py's name map. Row
-    order does not matter: Q8_0 / Q4_0 / F16 blocks lie along rows."""
+    order does not matter: Q8_0 / Q4_0 / F16 blocks lie along rows. An expert's
+    tensor is found by its layer's fused tensor (`experts.3.up_proj` in
+    `ffn_up_exps`)."""
+    import re
+
     from safetensors.numpy import load_file
 
     types = tensor_types(gguf_path)
@@ -85,7 +89,7 @@ def roundtrip_like(gguf_path, folder, arch):
     names = gguf.get_tensor_name_map(arch, 64)
     out = {}
     for name, value in weights.items():
-        base = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        base = names.get_name(re.sub(r"\.experts\.\d+\.", ".experts.", name), try_suffixes=(".weight", ".bias"))
         kind = Q[types[base]]
         out[name] = gguf.quants.dequantize(gguf.quants.quantize(value.astype(np.float32), kind), kind)
     return out
@@ -160,6 +164,10 @@ FAMILIES = {
     "qwen2": dict(model_type="qwen2", tokenizer=QWEN_TOKENIZER, vocab_size=151936),
     "qwen3_moe": dict(model_type="qwen3_moe", tokenizer=QWEN_TOKENIZER, vocab_size=151936, num_experts=4,
                       num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
+    # Every matrix Q8_0, experts included: they load packed, `[layers, experts, out, in]`.
+    "qwen3_moe_q8_0": dict(model_type="qwen3_moe", tokenizer=QWEN_TOKENIZER, vocab_size=151936, num_experts=4,
+                           num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16,
+                           outtype="q8_0", arch=gguf.MODEL_ARCH.QWEN3MOE),
     # The converter writes Llama 3's scaling as per-frequency divisors (rope_freqs).
     "llama3_rope": dict(model_type="llama", tokenizer=STORIES, vocab_size=512, rope_scaling=dict(
         rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -171,15 +179,29 @@ FAMILIES = {
 def test_other_families_match_transformers(family, tmp_path):
     settings = dict(FAMILIES[family])
     model_type, tokenizer = settings.pop("model_type"), settings.pop("tokenizer")
+    outtype, arch = settings.pop("outtype", "f32"), settings.pop("arch", None)
     folder = tmp_path / family
     make_checkpoint(folder, tiny_config(model_type, hidden_size=64, intermediate_size=96, **settings))
     for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"):
         if (tokenizer / name).exists():
             shutil.copy(tokenizer / name, folder)
-    path = convert(folder, tmp_path / f"{family}.gguf")
+    path = convert(folder, tmp_path / f"{family}.gguf", outtype)
     model = eqx_models.from_pretrained(path)
     ids = np.asarray([[1, 403, 407, 261, 378, 297, 410, 296]])
-    np.testing.assert_allclose(ours(model, ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
+    if outtype == "f32":
+        np.testing.assert_allclose(ours(model, ids), hf_logits(folder, ids), atol=1e-4, rtol=0)
+        return
+    experts = model.model.layers.mlp.experts.down_proj.weight
+    assert is_quantized(experts) and experts.packed.shape == (3, 4, 64, 32)
+    # transformers fuses a layer's experts into one parameter: the stored weights go
+    # in through a checkpoint of their own.
+    from safetensors.numpy import save_file
+
+    stored = tmp_path / "as_stored"
+    shutil.copytree(folder, stored)
+    weights = {name: value.astype(np.float32) for name, value in roundtrip_like(path, folder, arch).items()}
+    save_file(weights, stored / "model.safetensors", metadata={"format": "pt"})
+    np.testing.assert_allclose(ours(with_activations(model, "float"), ids), hf_logits(stored, ids), atol=1e-4, rtol=0)
 
 
 @pytest.fixture(scope="module")

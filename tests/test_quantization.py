@@ -15,9 +15,11 @@ from test_cache import random_ids, small_model
 import eqx_models
 from eqx_models.generation import DecodeState, Sampling, _decode_step
 from eqx_models.kernels import kernels_status, quantized_matvecs
+from eqx_models.nn.linear import Linear
 from eqx_models.quantization import (
     QuantizedWeight,
     dequantize,
+    is_expert_stack,
     quantize,
     quantize_activations,
     quantize_weight,
@@ -296,6 +298,19 @@ def test_int8_decode_step_reads_the_packed_weights_in_place():
         assert not any("f32[1024,256]" in line or "f32[256,1024]" in line for line in hlo.splitlines())
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_quantized_moe_decode_step_reads_the_packed_experts_in_place(bits):
+    model = small_model(seed=6, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
+                        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, head_dim=32)
+    quantized = quantize(model, bits=bits)
+    assert is_quantized(quantized.model.layers.mlp.experts.up_proj.weight)
+    state = DecodeState(quantized.init_cache(1, 64), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
+    compiled = _decode_step.lower(quantized, state, Sampling(), (), 0).compile().compiled
+    # One expert's weight dequantized to float32 would be 128 KB (256 x 128 x 4 bytes).
+    assert compiled.memory_analysis().temp_size_in_bytes < 32 * 1024
+    assert "eqx_models_quantized_matvec" in compiled.as_text()
+
+
 # Widths that groups of 32 divide, for the layers each family quantizes.
 GROUPABLE = dict(intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32, v_head_dim=8,
                  shared_expert_intermediate_size=32, linear_value_head_dim=8)
@@ -321,6 +336,8 @@ def test_every_family_quantized_decodes_the_greedy_tokens_of_its_full_forward(mo
     model = _groupable_model(model_type)
     quantized = quantize(model, bits=8 if len(model_type) % 2 else 4)
     assert any(is_quantized(leaf) for leaf in jax.tree.leaves(quantized.model.layers, is_leaf=is_quantized))
+    linears = [n for n in jax.tree.leaves(quantized, is_leaf=lambda n: isinstance(n, Linear)) if isinstance(n, Linear)]
+    assert all(is_quantized(n.weight) for n in linears if is_expert_stack(n.weight))  # experts too
     prompt = random_ids((2, 7), seed=1) % model.config.vocab_size
     new = np.asarray(eqx_models.generate(quantized, prompt, max_new_tokens=8, eos_token_id=[]))
     # Each token the kernels decoded is the argmax of the same model's full forward
@@ -365,7 +382,7 @@ def test_a_saved_quantized_checkpoint_reloads_without_requantizing(float_checkpo
     eqx_models.save_pretrained(quantized, tmp_path)
     entry = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert entry == dict(quant_method="eqx_models", format_version=1, bits=4, group_size=32, scale_dtype="bfloat16",
-                         activations="int8", embeddings=True, lm_head=True, keep_indivisible=False)
+                         activations="int8", embeddings=True, lm_head=True, keep_indivisible=False, experts=True)
     with safe_open(tmp_path / "model.safetensors", "np") as f:
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "U8"
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [128, 32]
@@ -375,6 +392,44 @@ def test_a_saved_quantized_checkpoint_reloads_without_requantizing(float_checkpo
     ids = random_ids((1, 6)) % 97
     np.testing.assert_array_equal(eqx_models.generate(reloaded, ids, max_new_tokens=5),
                                   eqx_models.generate(quantized, ids, max_new_tokens=5))
+
+
+def _experts(model):
+    mlp = model.model.layers.mlp
+    return getattr(mlp, "sparse", mlp).experts
+
+
+# Experts as one tensor each (Qwen3-MoE, with a dense layer between) and as one
+# fused tensor a layer, `[experts, in, out]` (gpt-oss).
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
+def test_experts_quantize_while_loading_and_reload_from_a_saved_checkpoint(model_type, tmp_path):
+    import json
+
+    from conftest import make_checkpoint, tiny_config
+    from zoo import tiny_overrides
+
+    folder = tmp_path / "float"
+    overrides = dict(tiny_overrides(model_type))
+    overrides.update({k: v for k, v in GROUPABLE.items() if k in overrides or k == "intermediate_size"})
+    make_checkpoint(folder, tiny_config(model_type, **overrides))
+    loaded = eqx_models.from_pretrained(folder, quantize="int4")
+    down = _experts(loaded).down_proj.weight
+    assert is_quantized(down) and down.packed.ndim == 4  # [layers, experts, out, in / 2]
+    assert arrays_equal(loaded, quantize(eqx_models.from_pretrained(folder), bits=4))
+
+    eqx_models.save_pretrained(loaded, tmp_path / "int4")
+    assert json.loads((tmp_path / "int4" / "config.json").read_text())["quantization_config"]["experts"] is True
+    assert arrays_equal(eqx_models.from_pretrained(tmp_path / "int4"), loaded)
+
+    kept = eqx_models.from_pretrained(folder, quantize=dict(bits=4, experts=False))
+    assert not is_quantized(_experts(kept).down_proj.weight) and is_quantized(kept.model.layers.self_attn.q_proj.weight)
+    eqx_models.save_pretrained(kept, tmp_path / "float_experts")
+    config = json.loads((tmp_path / "float_experts" / "config.json").read_text())
+    assert config["quantization_config"]["experts"] is False
+    # A checkpoint written before experts could be quantized says nothing of them: they were float.
+    del config["quantization_config"]["experts"]
+    (tmp_path / "float_experts" / "config.json").write_text(json.dumps(config))
+    assert arrays_equal(eqx_models.from_pretrained(tmp_path / "float_experts"), kept)
 
 
 def test_quantized_checkpoints_of_other_formats_and_versions_are_refused(float_checkpoint, tmp_path):

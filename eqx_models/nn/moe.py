@@ -22,6 +22,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .. import sharding
 from ..config import DecoderConfig
 from ..sharding import stacked_field
+from ..quantization import QuantizedWeight
 from .linear import LayerSlice, Linear, layer_view, project, project_many
 from .mlp import ACTIVATIONS, GatedMLP
 
@@ -48,7 +49,8 @@ def _expert_weight(weight: Array | LayerSlice, expert: Int[Array, ""]) -> LayerS
     stack so the kernels read it in place."""
     if isinstance(weight, LayerSlice):
         layers, experts = weight.stack.shape[:2]
-        flat = weight.stack.reshape(layers * experts, *weight.stack.shape[2:])
+        # A quantized stack's integers and scales share their leading axes.
+        flat = jax.tree.map(lambda a: a.reshape(layers * experts, *a.shape[2:]), weight.stack)
         return LayerSlice(flat, weight.index * experts + expert)
     return LayerSlice(weight, expert)
 
@@ -207,6 +209,12 @@ class SparseMoeBlock(eqx.Module):
         token_axes = _axes(_entry(token_spec, 0))
         weights, specs = [], []
         for weight, own in self.expert_arrays():
+            if isinstance(weight.stack if isinstance(weight, LayerSlice) else weight, QuantizedWeight):
+                raise ValueError(
+                    "Quantized experts do not run on a mesh yet. Quantize with experts=False "
+                    "(eqx_models.quantize(model, ..., experts=False), or quantize=dict(bits=..., experts=False)) "
+                    "to keep them float, or run the quantized model on one device."
+                )
             weight = weight.materialize() if isinstance(weight, LayerSlice) else weight
             own = tuple(None if a == "embed" else a for a in own)  # each device holds whole rows of `embed`
             spec = placement.spec(("experts",) + own, weight.shape)
@@ -272,7 +280,7 @@ def _zeros_varying_like(shape, dtype, *references) -> Array:
     must have one type). Made by arithmetic on one element of each: a `pcast`
     would transpose to a collective inside the branch that only some devices take,
     and the backward pass would deadlock."""
-    arrays = [r.stack if isinstance(r, LayerSlice) else r for r in references]
+    arrays = jax.tree.leaves([r.stack if isinstance(r, LayerSlice) else r for r in references])
     zero = sum(jnp.zeros_like(a.reshape(-1)[0]).astype(dtype) for a in arrays)
     return jnp.broadcast_to(zero, shape)
 
