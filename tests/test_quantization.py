@@ -316,15 +316,20 @@ GROUPABLE = dict(intermediate_size=64, moe_intermediate_size=32, q_lora_rank=32,
                  shared_expert_intermediate_size=32, linear_value_head_dim=8)
 
 
-def _groupable_model(model_type: str):
+def _groupable_config(model_type: str):
+    """The family's tiny `transformers` config (tests/zoo.py) with group-divisible widths."""
     from conftest import tiny_config
     from zoo import tiny_overrides
 
-    from eqx_models.models import architecture_for
-
     overrides = dict(tiny_overrides(model_type))
     overrides.update({k: v for k, v in GROUPABLE.items() if k in overrides or k == "intermediate_size"})
-    hf = tiny_config(model_type, **overrides).to_dict()
+    return tiny_config(model_type, **overrides)
+
+
+def _groupable_model(model_type: str):
+    from eqx_models.models import architecture_for
+
+    hf = _groupable_config(model_type).to_dict()
     model = eqx_models.CausalLM(architecture_for(hf).config_from_hf(hf), key=jax.random.key(0))
     # Matrices drawn 8x wider than the 0.02 default: logits of order 1, not near-ties.
     widen = lambda a: a * 8 if eqx.is_inexact_array(a) and a.ndim >= 2 else a
@@ -405,13 +410,10 @@ def _experts(model):
 def test_experts_quantize_while_loading_and_reload_from_a_saved_checkpoint(model_type, tmp_path):
     import json
 
-    from conftest import make_checkpoint, tiny_config
-    from zoo import tiny_overrides
+    from conftest import make_checkpoint
 
     folder = tmp_path / "float"
-    overrides = dict(tiny_overrides(model_type))
-    overrides.update({k: v for k, v in GROUPABLE.items() if k in overrides or k == "intermediate_size"})
-    make_checkpoint(folder, tiny_config(model_type, **overrides))
+    make_checkpoint(folder, _groupable_config(model_type))
     loaded = eqx_models.from_pretrained(folder, quantize="int4")
     down = _experts(loaded).down_proj.weight
     assert is_quantized(down) and down.packed.ndim == 4  # [layers, experts, out, in / 2]

@@ -22,8 +22,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from .. import sharding
 from ..config import DecoderConfig
 from ..sharding import stacked_field
-from ..quantization import QuantizedWeight
-from .linear import LayerSlice, Linear, layer_view, project, project_many
+from .linear import LayerSlice, Linear, is_quantized, layer_view, project, project_many
 from .mlp import ACTIVATIONS, GatedMLP
 
 MAX_BLOCK_ROWS = 128
@@ -209,7 +208,7 @@ class SparseMoeBlock(eqx.Module):
         token_axes = _axes(_entry(token_spec, 0))
         weights, specs = [], []
         for weight, own in self.expert_arrays():
-            if isinstance(weight.stack if isinstance(weight, LayerSlice) else weight, QuantizedWeight):
+            if is_quantized(weight):
                 raise ValueError(
                     "Quantized experts do not run on a mesh yet. Quantize with experts=False "
                     "(eqx_models.quantize(model, ..., experts=False), or quantize=dict(bits=..., experts=False)) "
