@@ -1,5 +1,6 @@
-"""What quantization costs in quality: eqx_models' int8 / int4 beside llama.cpp's
-Q8_0 / Q4_0 / Q4_K_M of the same model, on the same text, by the same measures.
+"""What quantization costs in quality: eqx_models' int8 / int4 (symmetric and affine)
+beside llama.cpp's Q8_0 / Q4_0 / Q4_1 / Q4_K_M of the same model, on the same text,
+by the same measures.
 
 Two models: stories260K (a real trained model, `../shared/fixtures`) and a
 Qwen3-0.6B-shaped model with random unit-scale weights and the real Qwen
@@ -56,8 +57,11 @@ OURS = {  # name -> how the variant is made from the float32 folder or the GGUF 
     "int8 (group 32)": dict(quantize=dict(bits=8, group_size=32)),
     "int4 (group 32)": dict(quantize=dict(bits=4, group_size=32)),
     "int4 (group 64)": dict(quantize=dict(bits=4, group_size=64)),
+    "int4 affine (group 64)": dict(quantize=dict(bits=4, group_size=64, mode="affine")),
+    "int4 affine (group 32)": dict(quantize=dict(bits=4, group_size=32, mode="affine")),
     "Q8_0 GGUF read by eqx_models": dict(gguf="q8_0"),
     "Q4_0 GGUF (every matrix) read by eqx_models": dict(gguf="q4_0-pure"),
+    "Q4_1 GGUF (every matrix) read by eqx_models": dict(gguf="q4_1-pure"),
     "Q4_K_M GGUF read by eqx_models (dequantized, bfloat16)": dict(gguf="q4_k_m"),
     "float32 weights, int8 KV cache": dict(cache="int8"),
 }
@@ -66,6 +70,7 @@ OURS = {  # name -> how the variant is made from the float32 folder or the GGUF 
 LLAMA_CPP = {
     "Q8_0": ("q8_0", []),
     "Q4_0 (every matrix)": ("q4_0-pure", []),
+    "Q4_1 (every matrix)": ("q4_1-pure", []),
     "Q4_K_M": ("q4_k_m", []),
     "F32 weights, Q8_0 KV cache": ("f32", ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"]),
 }
@@ -109,7 +114,7 @@ def gguf_files(checkpoint: Path, tree: Path, out: Path, name: str) -> dict[str, 
     subprocess.run([sys.executable, str(tree / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "f32",
                     "--outfile", str(files["f32"])], check=True, capture_output=True)
     quantizer = tree / "build" / "bin" / "llama-quantize"
-    for kind, extra in (("q8_0", []), ("q4_0-pure", ["--pure"]), ("q4_k_m", [])):
+    for kind, extra in (("q8_0", []), ("q4_0-pure", ["--pure"]), ("q4_1-pure", ["--pure"]), ("q4_k_m", [])):
         files[kind] = out / f"{name}-{kind}.gguf"
         qtype = kind.split("-")[0].upper()
         subprocess.run([str(quantizer), *extra, str(files["f32"]), str(files[kind]), qtype, "2"], check=True,

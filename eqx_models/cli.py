@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from . import __version__
+from .quantization import PRESETS
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -200,11 +201,11 @@ def _finetune(args: argparse.Namespace) -> int:
 
 
 def _quantize_option(args) -> dict | None:
-    """`from_pretrained`'s `quantize` for `--quantize`: layers whose width a group of
-    32 does not divide stay float, as llama.cpp's quantizer leaves them."""
+    """`from_pretrained`'s `quantize` for `--quantize`: layers whose width the group
+    does not divide stay float, as llama.cpp's quantizer leaves them."""
     if not args.quantize:
         return None
-    return dict(bits=int(args.quantize[3:]), keep_indivisible=True)
+    return dict(PRESETS[args.quantize], keep_indivisible=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -226,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="float32",
         help="Weight dtype (default float32: CPUs without bfloat16 matmuls run it fastest).",
     )
-    gen.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                     help="Quantize the weights while loading (int8/int4 in groups of 32, llama.cpp's Q8_0/Q4_0 shape).")
+    gen.add_argument("--quantize", choices=list(PRESETS), default=None,
+                     help="Quantize the weights while loading: int8/int4 in groups of 32 (llama.cpp's Q8_0/Q4_0 "
+                          "shape), int4-affine in groups of 64 with a scale and a bias each (mlx-lm's).")
     gen.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                      help="KV cache dtype (default: the weights'); int8 keeps a scale per token and head, "
                           "about half of bfloat16's bytes.")
@@ -251,8 +253,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     serve.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                        help="KV page dtype (default: the weights'); int8 fits about twice bfloat16's tokens.")
-    serve.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                       help="Quantize the weights while loading (int8/int4 in groups of 32, llama.cpp's Q8_0/Q4_0 shape).")
+    serve.add_argument("--quantize", choices=list(PRESETS), default=None,
+                       help="Quantize the weights while loading: int8/int4 in groups of 32 (llama.cpp's Q8_0/Q4_0 "
+                          "shape), int4-affine in groups of 64 with a scale and a bias each (mlx-lm's).")
     serve.add_argument("--seed", type=int, default=0, help="Seeds requests that bring no seed.")
     serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
@@ -289,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seq-len", type=int, default=256, help="Tokens per packed row.")
     tune.add_argument("--remat", choices=["none", "dots", "full"], default="none", help="Rematerialisation policy.")
     tune.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    tune.add_argument("--quantize", choices=["int8", "int4"], default=None,
+    tune.add_argument("--quantize", choices=list(PRESETS), default=None,
                       help="Train LoRA adapters on a base quantized while loading (QLoRA); the saved model is "
                            "the merged sum, quantized again.")
     tune.add_argument("--seed", type=int, default=0)

@@ -1,9 +1,9 @@
 """llama.cpp's GGUF files in: the config, the weights and the tokenizer of one file.
 
 The file is memory-mapped and its header parsed here; the `gguf` package (llama.cpp's
-Python library) supplies the tensor types and the dequantization. Q8_0 and Q4_0 matrices keep
-their integers and float16 scales (`QuantizedWeight` holds the same blocks, split
-into an integer array and a scale array); F32, F16 and BF16 tensors are taken as
+Python library) supplies the tensor types and the dequantization. Q8_0, Q4_0 and Q4_1 matrices
+keep their integers and float16 scales (`QuantizedWeight` holds the same blocks, split
+into an integer array and a scale array, plus Q4_1's offsets as affine biases); F32, F16 and BF16 tensors are taken as
 they are; every other type the `gguf` package can dequantize (the K-quants among
 them) is dequantized to the model's float dtype.
 
@@ -252,17 +252,20 @@ class GGUFFile:
                 "Re-quantize the model with llama-quantize to Q8_0, Q4_0 or a K-quant (Q4_K_M, Q6_K, ...)."
             ) from e
 
-    def blocks(self, name: str) -> tuple[int, np.ndarray, np.ndarray]:
-        """A Q8_0 or Q4_0 tensor split into `(bits, integers, scales)`: the bytes
-        of each block after its float16 scale, and the scales, `[..., rows, groups]`."""
+    def blocks(self, name: str) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
+        """A Q8_0, Q4_0 or Q4_1 tensor split into `(bits, integers, scales, biases)`:
+        the bytes of each block after its float16 header, and the header's scales
+        and (Q4_1's `m`, else None) biases, `[..., rows, groups]`."""
         kind = self.type_name(name)
-        bits = {"Q8_0": 8, "Q4_0": 4}[kind]
+        bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}[kind]
+        header = 4 if kind == "Q4_1" else 2  # Q4_1: d then m, w = d * q + m
         *rows, width = self.shape(name)  # rows: `[out]`, or `[experts, out]` for a layer's experts
         per_block = 32 * bits // 8
-        raw = self.tensors[name].data.reshape(*rows, width // 32, 2 + per_block)
-        scales = np.ascontiguousarray(raw[..., :2]).view(np.float16)[..., 0]
-        integers = raw[..., 2:].reshape(*rows, width * bits // 8)
-        return bits, integers.view(np.int8) if bits == 8 else integers, scales
+        raw = self.tensors[name].data.reshape(*rows, width // 32, header + per_block)
+        halves = np.ascontiguousarray(raw[..., :header]).view(np.float16)
+        integers = raw[..., header:].reshape(*rows, width * bits // 8)
+        biases = halves[..., 1] if kind == "Q4_1" else None
+        return bits, integers.view(np.int8) if bits == 8 else integers, halves[..., 0], biases
 
 
 def hf_config(file: GGUFFile) -> dict[str, Any]:
@@ -397,7 +400,7 @@ def _split_halves(rows: np.ndarray, heads: int | None) -> np.ndarray:
     return rows.reshape(heads, rows.shape[0] // heads // 2, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-PACKED_TYPES = ("Q8_0", "Q4_0")
+PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1")  # Q4_1: affine int4 in groups of 32
 KEPT_FLOAT = ("F32", "F16")
 
 
@@ -414,7 +417,8 @@ def load_leaves(file: GGUFFile, skeleton, packable: dict[tuple, Any], dtype: np.
     """Every leaf of `skeleton` read from the file.
 
     Returns the arrays in leaf order, and for the weights in `packable` whose every
-    tensor is Q8_0 (or every one Q4_0) `{path: (bits, integers, scales)}`; those
+    tensor is Q8_0 (or every one Q4_0, or Q4_1) `{path: (bits, integers, scales,
+    biases)}`; those
     leaves' entries in the first list are None. Tensors the file has and the model
     does not use, or the other way round, raise `CheckpointError` (all listed).
     """
@@ -461,16 +465,19 @@ def _read_floats(file: GGUFFile, names: list[str], stacked: tuple[int, ...], dty
 
 
 def _read_blocks(file: GGUFFile, names: list[str], stacked: tuple[int, ...]):
-    integers = scales = None
+    integers = scales = biases = None
     for i, name in enumerate(names):
-        bits, q, s = file.blocks(name)
+        bits, q, s, b = file.blocks(name)
         if integers is None:
             integers = aligned_empty((*stacked, *q.shape), q.dtype)
             scales = aligned_empty((*stacked, *s.shape), np.dtype(np.float16))
+            biases = None if b is None else aligned_empty((*stacked, *s.shape), np.dtype(np.float16))
         heads = _interleaved_heads(file, name)
         integers.reshape(-1, *q.shape)[i] = _split_halves(q, heads)
         scales.reshape(-1, *s.shape)[i] = _split_halves(s, heads)
-    return bits, integers, scales
+        if biases is not None:
+            biases.reshape(-1, *s.shape)[i] = _split_halves(b, heads)
+    return bits, integers, scales, biases
 
 
 def read_generation_eos(file: GGUFFile) -> tuple[int, ...]:
@@ -484,8 +491,8 @@ def read_generation_eos(file: GGUFFile) -> tuple[int, ...]:
 def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sharding=None, quantize=None):
     """`from_pretrained` for a GGUF file (see there for the arguments).
 
-    Q8_0 and Q4_0 weights load packed as `QuantizedWeight`s (int8 activations, as
-    llama.cpp computes them) wherever `eqx_models.quantize` would quantize; a leaf
+    Q8_0, Q4_0 and Q4_1 (affine) weights load packed as `QuantizedWeight`s (int8
+    activations, as llama.cpp computes them) wherever `eqx_models.quantize` would quantize; a leaf
     whose layers mix types, and every other tensor, loads as floats in `dtype`
     (default: `default_dtype`).
     """
@@ -508,8 +515,9 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
         jax.numpy.zeros((), leaf.dtype) if array is None else _to_jax(array)
         for (_, leaf), array in zip(leaves, arrays)
     ])
-    for leaf_path, (bits, integers, scales) in packed.items():
-        weight = QuantizedWeight(_to_jax(integers), _to_jax(scales), bits, 32, packable[leaf_path], dtype)
+    for leaf_path, (bits, integers, scales, biases) in packed.items():
+        weight = QuantizedWeight(_to_jax(integers), _to_jax(scales), bits, 32, packable[leaf_path], dtype,
+                                 biases=None if biases is None else _to_jax(biases))
         model = eqx.tree_at(lambda m, leaf_path=leaf_path: _at(m, leaf_path), model, weight)
     if quantize is not None:
         if packed:

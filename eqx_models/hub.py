@@ -118,8 +118,9 @@ def _leaf_names(path) -> str:
 
 
 # A quantized weight's arrays in a checkpoint: `<module>.weight` the integers,
-# `<module>.scales` one scale per group (the layout of docs/quantization.md).
-QUANTIZED_LEAVES = {".weight.packed": ".weight", ".weight.scales": ".scales"}
+# `<module>.scales` one scale per group, `<module>.biases` affine int4's offset per
+# group (the layout of docs/quantization.md).
+QUANTIZED_LEAVES = {".weight.packed": ".weight", ".weight.scales": ".scales", ".weight.biases": ".biases"}
 
 
 def _checkpoint_name(path) -> str:
@@ -205,7 +206,7 @@ def from_pretrained(
             memory of the process's own, and pages are read from the file as they
             are first used. False reads every tensor into memory, for files that
             may change while the model is in use.
-        quantize: `"int8"` or `"int4"` (or a mapping of `eqx_models.quantize`'s
+        quantize: `"int8"`, `"int4"` or `"int4-affine"` (or a mapping of `eqx_models.quantize`'s
             options): quantize the linear weights and the embedding table while
             loading, one tensor (or block of rows) at a time, so the float model
             is never held whole. A checkpoint written by `save_pretrained` from a
@@ -246,7 +247,7 @@ def from_pretrained(
     saved_spec = None if saved is None else spec_from_hf(saved, str(config_path))
     spec = None if quantize is None else spec_for(quantize)
     if saved_spec is not None and spec is not None:
-        if (spec.bits, spec.group_size) != (saved_spec.bits, saved_spec.group_size):
+        if (spec.bits, spec.group_size, spec.mode) != (saved_spec.bits, saved_spec.group_size, saved_spec.mode):
             raise ValueError(f"{folder} is already quantized ({saved_spec}); drop quantize= to load it as it is.")
         spec = None  # loaded as saved
     arch = architecture_for(hf_config)
@@ -321,7 +322,7 @@ def from_pretrained(
     return model if placement is None else model.with_placement(placement)
 
 
-_PART = {"packed": 0, "scales": 1}
+_PART = {"packed": 0, "scales": 1, "biases": 2}
 
 
 def _quantized_skeleton(skeleton: CausalLM, spec: QuantizationSpec, float_dtype) -> CausalLM:
@@ -344,24 +345,25 @@ QUANTIZE_CHUNK_BYTES = 16 << 20
 
 @functools.cache
 def _quantizer(spec: QuantizationSpec):
-    options = dict(bits=spec.bits, group_size=spec.group_size, scale_dtype=jnp.dtype(spec.scale_dtype))
-    return jax.jit(lambda rows: (lambda q: (q.packed, q.scales))(quantize_weight(rows, **options)))
+    options = dict(bits=spec.bits, group_size=spec.group_size, scale_dtype=jnp.dtype(spec.scale_dtype), mode=spec.mode)
+    return jax.jit(lambda rows: (lambda q: (q.packed, q.scales, q.biases))(quantize_weight(rows, **options)))
 
 
 def _load_quantized_leaf(
     source: TensorSource, names: list[str], stacked: tuple[int, ...], spec: QuantizationSpec, transposed: bool = False
 ):
     """Reads a float weight leaf a block of rows at a time and quantizes each
-    block into the leaf's integers and scales (both returned). A tensor holding
-    several matrices (a layer's fused experts, `transposed` as `[experts, in, out]`)
-    is read whole, one tensor at a time."""
+    block into the leaf's integers, scales and (affine) biases, returned in that
+    order. A tensor holding several matrices (a layer's fused experts,
+    `transposed` as `[experts, in, out]`) is read whole, one tensor at a time."""
     tensor_shape = source.shape(names[0])
     *inner, out_features, in_features = _swap_last(tensor_shape) if transposed else tensor_shape
     packed = aligned_empty((*stacked, *inner, out_features, in_features * spec.bits // 8),
                            np.dtype(np.int8 if spec.bits == 8 else np.uint8))
-    scales = aligned_empty((*stacked, *inner, out_features, in_features // spec.group_size), jnp.dtype(spec.scale_dtype))
-    packed_parts = packed.reshape(-1, *packed.shape[-2:])
-    scale_parts = scales.reshape(-1, *scales.shape[-2:])
+    per_group = lambda: aligned_empty((*stacked, *inner, out_features, in_features // spec.group_size),
+                                      jnp.dtype(spec.scale_dtype))
+    outputs = [packed, per_group()] + ([per_group()] if spec.mode == "affine" else [])
+    parts = [out.reshape(-1, *out.shape[-2:]) for out in outputs]
     block = max(1, min(out_features, QUANTIZE_CHUNK_BYTES // (4 * in_features)))
     staging = np.zeros((block, in_features), np.float32)  # one compiled shape: the last block is padded
     quantizer = _quantizer(spec)
@@ -370,14 +372,13 @@ def _load_quantized_leaf(
         for start in range(0, out_features, block):
             rows = range(start, min(out_features, start + block))
             read_rows(rows, staging[: len(rows)])
-            q, s = quantizer(staging)
-            packed_parts[part, start : rows.stop] = np.asarray(q)[: len(rows)]
-            scale_parts[part, start : rows.stop] = np.asarray(s)[: len(rows)]
+            for into, array in zip(parts, quantizer(staging)):
+                into[part, start : rows.stop] = np.asarray(array)[: len(rows)]
 
     if not inner and not transposed:
         for i, name in enumerate(names):
             quantize_matrix(i, lambda rows, into: source.read_into(name, into, rows))
-        return _to_jax(packed), _to_jax(scales)
+        return tuple(map(_to_jax, outputs))
     whole = np.empty(tensor_shape, np.float32)
     for i, name in enumerate(names):
         source.read_into(name, whole)
@@ -385,7 +386,7 @@ def _load_quantized_leaf(
         for j, matrix in enumerate(matrices):
             matrix = matrix.T if transposed else matrix
             quantize_matrix(i * len(matrices) + j, lambda rows, into: np.copyto(into, matrix[rows.start : rows.stop]))
-    return _to_jax(packed), _to_jax(scales)
+    return tuple(map(_to_jax, outputs))
 
 
 def _load_leaf(

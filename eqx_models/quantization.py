@@ -8,6 +8,11 @@ scale, stored as float16 (llama.cpp's block shape at group 32: Q8_0 and Q4_0):
   byte `j` holds weight `j` in its low nibble and weight `j + group_size / 2` in its
   high one (Q4_0's order, so GGUF blocks load without reshuffling).
 
+With `mode="affine"` (int4 only; mlx-lm's kind, at its group of 64) each group also
+has a float16 offset, its `bias`: `w = q * scale + bias`, `q` in [0, 15], the 16
+levels spread from the group's minimum to its maximum. Lopsided groups lose less,
+at 2 more bytes per group.
+
 A `QuantizedWeight` takes the place of a `Linear`'s float weight. Stacked along
 `layers` like any other leaf, it is scanned, sliced per layer in place at decode
 (`kernels.quantized_matvecs`) and dequantized layer by layer for prefill.
@@ -32,6 +37,7 @@ from jaxtyping import Array, Float, Int, Shaped
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16)
 ACTIVATIONS = ("int8", "float")
+MODES = ("symmetric", "affine")
 ACTIVATION_BLOCK = 32  # inputs per activation scale with activations="int8"
 
 
@@ -69,10 +75,15 @@ class QuantizedWeight(eqx.Module):
     axes: tuple[str | None, str | None] = eqx.field(static=True)
     float_dtype: np.dtype = eqx.field(static=True)  # the weight's dtype before: activations keep it
     activations: str = eqx.field(static=True, default="int8")
+    biases: Float[Array, "*stack out groups"] | None = None  # affine mode: `w = q * scale + bias`
 
     def __check_init__(self):
         if self.bits not in (4, 8):
             raise ValueError(f"QuantizedWeight: bits must be 8 or 4, got {self.bits}.")
+        if self.biases is not None and self.bits != 4:
+            raise ValueError(f"QuantizedWeight: affine weights (with biases) are int4 only, got bits={self.bits}.")
+        if self.biases is not None and self.biases.shape != self.scales.shape:
+            raise ValueError(f"QuantizedWeight: biases {self.biases.shape} and scales {self.scales.shape} must match.")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"QuantizedWeight: activations must be one of {ACTIVATIONS}, got {self.activations!r}.")
         per_byte = 8 // self.bits
@@ -86,7 +97,12 @@ class QuantizedWeight(eqx.Module):
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         # Both arrays split like the float weight: a device's share of the input
         # axis holds whole groups as long as it is a multiple of group_size.
-        return {"packed": self.axes, "scales": self.axes}
+        return {"packed": self.axes, "scales": self.axes, "biases": self.axes}
+
+    @property
+    def mode(self) -> str:
+        """"affine" (integers with a scale and a bias per group) or "symmetric"."""
+        return "symmetric" if self.biases is None else "affine"
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -101,7 +117,7 @@ class QuantizedWeight(eqx.Module):
     def dequantize(self, dtype=None) -> Float[Array, "*stack out in"]:
         """The float weight these integers and scales stand for (in `dtype`, by
         default the weight's dtype before quantization)."""
-        return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype or self.float_dtype)
+        return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype or self.float_dtype, self.biases)
 
     def prepare_input(self, x: Float[Array, "*rows in"]) -> Float[Array, "*rows in"]:
         """`x` as the products with this weight see it (`quantize_activations` with
@@ -110,13 +126,18 @@ class QuantizedWeight(eqx.Module):
 
     def take_rows(self, rows: Int[Array, "*batch"]) -> Float[Array, "*batch in"]:
         """Rows of the dequantized weight (an embedding lookup), reading only those rows."""
-        packed, scales = jnp.take(self.packed, rows, axis=-2), jnp.take(self.scales, rows, axis=-2)
-        return dequantize(packed, scales, self.bits, self.group_size, self.float_dtype)
+        take = lambda a: None if a is None else jnp.take(a, rows, axis=-2)
+        return dequantize(take(self.packed), take(self.scales), self.bits, self.group_size, self.float_dtype,
+                          take(self.biases))
 
 
-def _check(in_features: int, bits: int, group_size: int) -> None:
+def _check(in_features: int, bits: int, group_size: int, mode: str = "symmetric") -> None:
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits}.")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+    if mode == "affine" and bits != 4:
+        raise ValueError(f"mode='affine' is int4 only (bits=4), got bits={bits}; use mode='symmetric' for int8.")
     if group_size not in GROUP_SIZES:
         raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {group_size}.")
     if in_features % group_size:
@@ -134,14 +155,18 @@ def quantize_weight(
     scale_dtype=jnp.float16,
     activations: str = "int8",
     axes: tuple[str | None, str | None] = (None, None),
+    mode: str = "symmetric",
 ) -> QuantizedWeight:
-    """Quantizes a float `(out, in)` weight (any leading axes) symmetrically per group.
+    """Quantizes a float `(out, in)` weight (any leading axes) per group.
 
     int8: `scale = max|w| / 127`, `q = round(w / scale)`. int4 (as Q4_0): the
     group's value of largest magnitude `m` gets `q = 0`, `scale = -m / 8`,
-    `q = clip(round(w / scale) + 8, 0, 15)`. The integers are computed against the
-    scale as stored (rounded to `scale_dtype`), so the error is at most half a step
-    (a whole step for the int4 value at the clipped end of the range).
+    `q = clip(round(w / scale) + 8, 0, 15)`. Affine int4: `bias = min w`,
+    `scale = (max w - min w) / 15`, `q = clip(round((w - bias) / scale), 0, 15)`.
+    The integers are computed against the scale (and bias) as stored (rounded to
+    `scale_dtype`), so the error is at most half a step (a whole step for the
+    symmetric int4 value at the clipped end of the range; half a step plus the
+    bias's rounding for affine values clipped at either end).
 
     Args:
         weight: the float weight, `[..., out, in]`.
@@ -151,17 +176,18 @@ def quantize_weight(
         activations: "int8" or "float": how products with the weight treat their
             input (see the module docstring).
         axes: the logical axes of `(out, in)`, for sharding.
+        mode: "symmetric" or "affine" (int4 only: a bias per group too).
 
     Returns:
         The `QuantizedWeight`.
 
     Raises:
         ValueError: bits other than 8 or 4, a group size not in `GROUP_SIZES` or
-            one that does not divide the input width.
+            one that does not divide the input width, an unknown mode or affine int8.
     """
     *stack, out, in_features = weight.shape
     float_dtype = np.dtype(weight.dtype)
-    _check(in_features, bits, group_size)
+    _check(in_features, bits, group_size, mode)
     if jnp.dtype(scale_dtype) not in [jnp.dtype(d) for d in SCALE_DTYPES]:
         raise ValueError(f"scale_dtype must be float16 or bfloat16, got {scale_dtype}.")
     if activations not in ACTIVATIONS:
@@ -173,14 +199,22 @@ def quantize_weight(
         q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)), -127, 127).astype(jnp.int8)
         return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype,
                                activations)
-    extreme = jnp.take_along_axis(groups, jnp.argmax(jnp.abs(groups), axis=-1)[..., None], axis=-1)[..., 0]
-    scale = (-extreme / 8).astype(scale_dtype)
-    step = scale.astype(jnp.float32)[..., None]
-    q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)) + 8, 0, 15).astype(jnp.uint8)
+    biases = None
+    if mode == "affine":
+        low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
+        scale, biases = ((high - low) / 15).astype(scale_dtype), low.astype(scale_dtype)
+        step = scale.astype(jnp.float32)[..., None]
+        shifted = groups - biases.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round(shifted / jnp.where(step == 0, 1, step)), 0, 15).astype(jnp.uint8)
+    else:
+        extreme = jnp.take_along_axis(groups, jnp.argmax(jnp.abs(groups), axis=-1)[..., None], axis=-1)[..., 0]
+        scale = (-extreme / 8).astype(scale_dtype)
+        step = scale.astype(jnp.float32)[..., None]
+        q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)) + 8, 0, 15).astype(jnp.uint8)
     half = group_size // 2
     packed = q[..., :half] | (q[..., half:] << 4)
     return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes), float_dtype,
-                           activations)
+                           activations, biases)
 
 
 def unpack_int4(packed: Shaped[Array, "*rows bytes"], group_size: int) -> Int[Array, "*rows values"]:
@@ -197,8 +231,10 @@ def dequantize(
     bits: int,
     group_size: int,
     dtype=jnp.float32,
+    biases: Float[Array, "*stack out groups"] | None = None,
 ) -> Float[Array, "*stack out in"]:
-    """`q * scale` (int8) or `(q - 8) * scale` (int4) as a float array.
+    """`q * scale` (int8), `(q - 8) * scale` (int4) or, with `biases` (affine
+    int4), `q * scale + bias` as a float array.
 
     Args:
         packed: the integers (int8, or two int4 per uint8 byte).
@@ -206,6 +242,7 @@ def dequantize(
         bits: 8 or 4.
         group_size: inputs per scale.
         dtype: the result's dtype.
+        biases: affine int4's offset per group, or None.
 
     Returns:
         The float weight, `[..., out, in]`.
@@ -213,9 +250,11 @@ def dequantize(
     if bits == 8:
         q = packed.astype(jnp.float32)
     else:
-        q = (unpack_int4(packed, group_size) - 8).astype(jnp.float32)
+        q = (unpack_int4(packed, group_size) - (0 if biases is not None else 8)).astype(jnp.float32)
     *stack, out, in_features = q.shape
     groups = q.reshape(*stack, out, in_features // group_size, group_size) * scales.astype(jnp.float32)[..., None]
+    if biases is not None:
+        groups = groups + biases.astype(jnp.float32)[..., None]
     return groups.reshape(*stack, out, in_features).astype(dtype)
 
 
@@ -268,6 +307,7 @@ def quantizable_layers(
 def quantize(
     model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, activations: str = "int8",
     embeddings: bool = True, lm_head: bool = True, experts: bool = True, keep_indivisible: bool = False,
+    mode: str = "symmetric",
 ):
     """`model` with its linear weights (and embedding table) replaced by `QuantizedWeight`s.
 
@@ -288,12 +328,15 @@ def quantize(
         keep_indivisible: leave float the layers whose input width `group_size`
             does not divide (llama.cpp falls back the same way) instead of
             raising.
+        mode: "symmetric" (as llama.cpp's Q8_0 / Q4_0) or "affine" (int4 with a
+            scale and a bias per group, as mlx-lm; best at group_size=64).
 
     Returns:
         The quantized model. Kept in their dtype: norms, biases, routers, and the
         weights a module lists in its `float_children` (those it reads other than
         through `Linear`).
     """
+    _check(0, bits, group_size, mode)
     swaps = []
     for path, node, axes in quantizable_layers(model, embeddings=embeddings, lm_head=lm_head, experts=experts):
         if node.weight.shape[-1] % group_size:
@@ -306,7 +349,7 @@ def quantize(
                 )
             continue
         swaps.append((path, quantize_weight(
-            node.weight, bits, group_size, scale_dtype=scale_dtype, activations=activations, axes=axes
+            node.weight, bits, group_size, scale_dtype=scale_dtype, activations=activations, axes=axes, mode=mode
         )))
     for path, weight in swaps:
         def where(m, path=path):
@@ -333,7 +376,7 @@ def with_activations(model, activations: str):
 
 FORMAT = "eqx_models"
 FORMAT_VERSION = 1
-PRESETS = {"int8": dict(bits=8), "int4": dict(bits=4)}
+PRESETS = {"int8": dict(bits=8), "int4": dict(bits=4), "int4-affine": dict(bits=4, group_size=64, mode="affine")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,17 +392,18 @@ class QuantizationSpec:
     lm_head: bool = True
     keep_indivisible: bool = False
     experts: bool = True
+    mode: str = "symmetric"
 
     def options(self) -> dict:
         return dict(bits=self.bits, group_size=self.group_size, scale_dtype=jnp.dtype(self.scale_dtype),
                     activations=self.activations, embeddings=self.embeddings, lm_head=self.lm_head,
-                    keep_indivisible=self.keep_indivisible, experts=self.experts)
+                    keep_indivisible=self.keep_indivisible, experts=self.experts, mode=self.mode)
 
     def to_hf(self) -> dict:
         """The `quantization_config` entry of `config.json`."""
         return dict(quant_method=FORMAT, format_version=FORMAT_VERSION, bits=self.bits, group_size=self.group_size,
                     scale_dtype=self.scale_dtype, activations=self.activations, embeddings=self.embeddings,
-                    lm_head=self.lm_head, keep_indivisible=self.keep_indivisible, experts=self.experts)
+                    lm_head=self.lm_head, keep_indivisible=self.keep_indivisible, experts=self.experts, mode=self.mode)
 
 
 def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
@@ -369,7 +413,7 @@ def spec_for(quantize: "str | QuantizationSpec | dict") -> QuantizationSpec:
     if isinstance(quantize, str):
         if quantize not in PRESETS:
             raise ValueError(f"quantize={quantize!r} is not known; use one of {sorted(PRESETS)} (or a mapping of "
-                             "bits, group_size, scale_dtype, activations, embeddings, lm_head, experts, keep_indivisible).")
+                             "bits, group_size, scale_dtype, activations, embeddings, lm_head, experts, keep_indivisible, mode).")
         return QuantizationSpec(**PRESETS[quantize])
     return QuantizationSpec(**dict(quantize))
 
@@ -393,6 +437,11 @@ def spec_from_hf(entry: dict, where: str) -> QuantizationSpec:
     names = [f.name for f in dataclasses.fields(QuantizationSpec)]
     # Checkpoints written before experts could be quantized held them float.
     fields = dict(experts=False) | {k: entry[k] for k in names if k in entry}
+    if fields.get("mode", "symmetric") not in MODES:
+        raise ValueError(
+            f"{where} holds weights quantized in mode {fields['mode']!r}; this version of eqx_models reads "
+            f"{MODES}. Upgrade eqx_models, or re-quantize from the float checkpoint."
+        )
     return QuantizationSpec(**fields)
 
 
@@ -406,11 +455,11 @@ def spec_of(model) -> QuantizationSpec | None:
                if isinstance(leaf, QuantizedWeight)]
     if not weights:
         return None
-    formats = {(w.bits, w.group_size, jnp.dtype(w.scales.dtype).name, w.activations) for w in weights}
+    formats = {(w.bits, w.group_size, jnp.dtype(w.scales.dtype).name, w.activations, w.mode) for w in weights}
     if len(formats) > 1:
         raise ValueError(f"The model's weights are quantized in several ways {sorted(formats)}; save_pretrained "
                          "writes one. Quantize the float model once with eqx_models.quantize.")
-    (bits, group_size, scale_dtype, activations), = formats
+    (bits, group_size, scale_dtype, activations, mode), = formats
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     head = getattr(model, "lm_head", None)
     from .nn.linear import Linear
@@ -423,6 +472,7 @@ def spec_of(model) -> QuantizationSpec | None:
         lm_head=head is not None and isinstance(head.weight, QuantizedWeight),
         keep_indivisible=any(layer.weight.shape[-1] % group_size for layer in float_layers),
         experts=not any(is_expert_stack(layer.weight) for layer in float_layers),
+        mode=mode,
     )
 
 

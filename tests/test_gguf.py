@@ -227,6 +227,22 @@ def test_q4_0_file_loads_packed(q4_0_file, scan_layers):
     np.testing.assert_allclose(ours(with_activations(model, "float"), ids), reference, atol=1e-4, rtol=0)
 
 
+def test_q4_1_file_loads_packed_as_affine_int4(files):
+    """Q4_1 (a scale and an offset per block of 32) is affine int4 in groups of 32:
+    the blocks load as they are, the offsets as the biases."""
+    path = rewrite(files["qwen_f32"], files["root"] / "qwen3-q4_1.gguf",
+                   lambda name, x: quantized(x, Q.Q4_1) if x.ndim == 2 else None)
+    ids = np.asarray([[9707, 11, 1879, 0, 3555, 374, 264, 1273]])
+    reference = hf_logits(files["qwen"], ids, roundtrip_like(path, files["qwen"], gguf.MODEL_ARCH.QWEN3))
+    model = eqx_models.from_pretrained(path)
+    weights = [w for w in jax.tree.leaves(model, is_leaf=is_quantized) if is_quantized(w)]
+    assert len(weights) == 8 and all(w.mode == "affine" and w.group_size == 32 for w in weights)
+    stored = dequantized_file(path)["blk.0.ffn_down.weight"]
+    down = model.model.layers.mlp.down_proj.weight
+    np.testing.assert_array_equal(np.asarray(down.dequantize(jnp.float32)[0]), stored)
+    np.testing.assert_allclose(ours(with_activations(model, "float"), ids), reference, atol=1e-4, rtol=0)
+
+
 def test_k_quants_are_dequantized(files):
     """Q4_K and Q6_K (random valid blocks: gguf-py has no K-quantizer) load as
     floats equal to llama.cpp's reference dequantization, bfloat16 by default."""

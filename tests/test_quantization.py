@@ -72,6 +72,27 @@ def test_int4_error_is_at_most_half_a_step_but_at_the_clipped_end(group_size, sc
     assert q_ints.min() == 0 and q_ints.max() <= 15
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_affine_int4_error_is_at_most_half_a_step_plus_the_rounding_of_the_bias(group_size, scale_dtype):
+    w = heavy_tailed((2, 16, 512), seed=2) + 0.03  # lopsided groups, where a bias helps
+    q = quantize_weight(w, 4, group_size, scale_dtype=scale_dtype, mode="affine")
+    assert q.mode == "affine" and q.biases.shape == q.scales.shape == (2, 16, 512 // group_size)
+    assert q.biases.dtype == scale_dtype and q.packed.shape == (2, 16, 256)
+    groups = np.asarray(w).reshape(2, 16, -1, group_size)
+    low, high = groups.min(-1), groups.max(-1)
+    bias, scale = np.asarray(q.biases, np.float32), np.asarray(q.scales, np.float32)
+    # Inside the stored range, half a step; values beyond it (the rounding of the
+    # bias and scale cut off an end) clip to the nearest end.
+    top = bias + 15 * scale
+    outside = np.maximum(np.maximum(bias - low, high - top), 0)
+    bound = np.repeat(0.5 * scale + outside, group_size, axis=-1) * (1 + 1e-3) + 1e-7
+    error = np.abs(np.asarray(q.dequantize()) - np.asarray(w))
+    assert (error <= bound).all(), float((error - bound).max())
+    symmetric = np.abs(np.asarray(quantize_weight(w, 4, group_size, scale_dtype=scale_dtype).dequantize()) - w)
+    assert error.mean() < symmetric.mean()  # what the bias is for
+
+
 def test_int4_packs_q4_0_order_two_weights_per_byte():
     # Group of 32: byte j holds weight j (low nibble) and weight j + 16 (high).
     w = np.zeros((1, 32), np.float32)
@@ -95,6 +116,10 @@ def test_bad_formats_are_refused_with_the_fix():
         quantize_weight(w, 8, 48)
     with pytest.raises(ValueError, match="scale_dtype"):
         quantize_weight(w, 8, 32, scale_dtype=jnp.float32)
+    with pytest.raises(ValueError, match="mode='affine' is int4 only"):
+        quantize_weight(w, 8, 32, mode="affine")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quantize_weight(w, 4, 32, mode="asymmetric")
 
 
 def activations_as_int8(x) -> np.ndarray:
@@ -119,8 +144,17 @@ def test_activation_rounding_is_the_documented_int8_blocks():
     assert (got[0, 0, :32] == 0).all()
 
 
+# bits and mode of the three formats.
+FORMATS = {"int8": (8, "symmetric"), "int4": (4, "symmetric"), "int4-affine": (4, "affine")}
+
+
+def layer_weight(stack: QuantizedWeight, layer: int) -> np.ndarray:
+    """Layer `layer` of a stack, dequantized, in float64."""
+    return np.asarray(jax.tree.map(lambda a: a[layer], stack).dequantize(jnp.float32), np.float64)
+
+
 def product_float64(x, stack: QuantizedWeight, layer: int) -> np.ndarray:
-    weight = dequantize(stack.packed[layer], stack.scales[layer], stack.bits, stack.group_size)
+    weight = layer_weight(stack, layer)
     inputs = activations_as_int8(x) if stack.activations == "int8" else np.asarray(x)
     return np.asarray(inputs, np.float64) @ np.asarray(weight, np.float64).T
 
@@ -132,37 +166,39 @@ def close_to_float64(got, want, x, weight_abs):
 
 
 @pytest.mark.parametrize("activations", ["int8", "float"])
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("group_size", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 16])
-def test_quantized_matvec_equals_the_float64_product_of_the_dequantized_slice(bits, group_size, rows, activations):
+def test_quantized_matvec_equals_the_float64_product_of_the_dequantized_slice(kind, group_size, rows, activations):
     assert kernels_status() == "ready"
-    stack = quantize_weight(heavy_tailed((3, 37, 256), seed=rows), bits, group_size, activations=activations)
+    bits, mode = FORMATS[kind]
+    weights = heavy_tailed((3, 37, 256), seed=rows) + (0.02 if mode == "affine" else 0)
+    stack = quantize_weight(weights, bits, group_size, activations=activations, mode=mode)
     x = jax.random.normal(jax.random.key(rows), (rows, 256))
     (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(2))
-    weight_abs = np.abs(np.asarray(dequantize(stack.packed[2], stack.scales[2], bits, group_size), np.float64))
-    close_to_float64(got, product_float64(x, stack, 2), x, weight_abs)
+    close_to_float64(got, product_float64(x, stack, 2), x, np.abs(layer_weight(stack, 2)))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kind", FORMATS)
 @pytest.mark.parametrize("in_features", [96, 160])  # an odd number of blocks: int4 cannot pair them all
-def test_quantized_matvec_with_an_odd_number_of_blocks(bits, in_features):
-    stack = quantize_weight(heavy_tailed((2, 21, in_features), seed=in_features), bits, 32)
+def test_quantized_matvec_with_an_odd_number_of_blocks(kind, in_features):
+    bits, mode = FORMATS[kind]
+    stack = quantize_weight(heavy_tailed((2, 21, in_features), seed=in_features), bits, 32, mode=mode)
     x = jax.random.normal(jax.random.key(2), (3, in_features))
     (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
-    weight_abs = np.abs(np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, 32), np.float64))
-    close_to_float64(got, product_float64(x, stack, 1), x, weight_abs)
+    close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(bits):
-    stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16)
+@pytest.mark.parametrize("kind", FORMATS)
+def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(kind):
+    bits, mode = FORMATS[kind]
+    stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16, mode=mode)
               for n in (24, 8, 40)]
     x = jax.random.normal(jax.random.key(0), (2, 3, 128))  # leading axes kept
     outs = jax.jit(quantized_matvecs)(x, stacks, jnp.int32(1))
     for out, stack in zip(outs, stacks):
         assert out.shape == (2, 3, stack.shape[1])
-        weight_abs = np.abs(np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, 32), np.float64))
+        weight_abs = np.abs(layer_weight(stack, 1))
         flat = np.asarray(x).reshape(6, 128)
         close_to_float64(np.asarray(out).reshape(6, -1), product_float64(flat, stack, 1), flat, weight_abs)
 
@@ -170,8 +206,10 @@ def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(bits):
 def test_quantized_matvecs_refuse_mixed_formats():
     a = quantize_weight(jnp.ones((1, 8, 64)), 8, 32)
     b = quantize_weight(jnp.ones((1, 8, 64)), 4, 32)
-    with pytest.raises(ValueError, match="share bits, group_size and activations"):
-        quantized_matvecs(jnp.ones((1, 64)), (a, b), jnp.int32(0))
+    c = quantize_weight(jnp.ones((1, 8, 64)), 4, 32, mode="affine")
+    for pair in ((a, b), (b, c)):
+        with pytest.raises(ValueError, match="share bits, group_size, activations and mode"):
+            quantized_matvecs(jnp.ones((1, 64)), pair, jnp.int32(0))
 
 
 def test_quantized_matvec_differentiates_in_the_activations_and_scales():
@@ -191,6 +229,22 @@ def test_quantized_matvec_differentiates_in_the_activations_and_scales():
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-5 * np.abs(want).max())
 
 
+def test_affine_quantized_matvec_differentiates_in_the_scales_and_biases():
+    stack = quantize_weight(heavy_tailed((2, 16, 128)) + 0.01, 4, 64, mode="affine")
+    x = jax.random.normal(jax.random.key(1), (1, 128))
+    with_arrays = lambda scales, biases: eqx.tree_at(lambda s: (s.scales, s.biases), stack, (scales, biases))
+    loss = lambda scales, biases: jnp.sum(quantized_matvecs(x, (with_arrays(scales, biases),), jnp.int32(1))[0] ** 2)
+    x_seen = quantize_activations(x)
+    reference = lambda scales, biases: jnp.sum(
+        (x_seen @ dequantize(stack.packed[1], scales[1], 4, 64, biases=biases[1]).T) ** 2
+    )
+    grads = jax.grad(loss, (0, 1))(stack.scales, stack.biases)
+    for got, want in zip(grads, jax.grad(reference, (0, 1))(stack.scales, stack.biases)):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        assert np.abs(want).max() > 0
+        np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-3 * np.abs(want).max())
+
+
 @pytest.mark.parametrize("path", ["EQX_MODELS_KERNELS_PORTABLE", "EQX_MODELS_KERNELS_AVX2"])
 def test_portable_and_avx2_quantized_loops_equal_the_float64_product(path):
     """The paths a CPU without AVX-512 takes, forced on this one (in a fresh process:
@@ -202,16 +256,17 @@ from eqx_models.quantization import dequantize, quantize_activations, quantize_w
 assert kernels_status() == "ready"
 cases = [(8, 1, "int8", 64), (4, 3, "int8", 64), (4, 5, "int8", 32), (8, 6, "int8", 128), (4, 2, "int8", 128),
          (8, 3, "float", 64), (4, 1, "float", 64)]
-for bits, rows, activations, group in cases:
-    stack = quantize_weight(jax.random.normal(jax.random.key(bits), (2, 19, 256)) * 0.1, bits, group,
-                            activations=activations)
+cases += [(bits, rows, activations, group, "affine") for bits, rows, activations, group in cases if bits == 4]
+for bits, rows, activations, group, *mode in cases:
+    stack = quantize_weight(jax.random.normal(jax.random.key(bits), (2, 19, 256)) * 0.1 + 0.02, bits, group,
+                            activations=activations, mode=(mode or ["symmetric"])[0])
     x = jax.random.normal(jax.random.key(rows), (rows, 256))
     (got,) = quantized_matvecs(x, (stack,), jnp.int32(1))
-    w = np.asarray(dequantize(stack.packed[1], stack.scales[1], bits, group), np.float64)
+    w = np.asarray(jax.tree.map(lambda a: a[1], stack).dequantize(jnp.float32), np.float64)
     inputs = quantize_activations(x) if activations == "int8" else x
     want = np.asarray(inputs, np.float64) @ w.T
     bound = 1e-5 * (np.abs(np.asarray(x, np.float64)) @ np.abs(w).T) + 1e-6
-    assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), (bits, rows, activations)
+    assert (np.abs(np.asarray(got, np.float64) - want) <= bound).all(), (bits, rows, activations, group, mode)
 """
     env = dict(os.environ, **{path: "1"})
     subprocess.run([sys.executable, "-c", script], env=env, check=True)
@@ -223,12 +278,14 @@ def model():
                        head_dim=32)
 
 
-@pytest.mark.parametrize("bits, tied", [(8, False), (4, False), (8, True)])
-def test_with_float_activations_a_quantized_model_decodes_as_its_dequantized_weights(model, bits, tied):
+@pytest.mark.parametrize("bits, tied, mode", [(8, False, "symmetric"), (4, False, "symmetric"), (8, True, "symmetric"),
+                                             (4, False, "affine")])
+def test_with_float_activations_a_quantized_model_decodes_as_its_dequantized_weights(model, bits, tied, mode):
     if tied:
         model = small_model(seed=4, num_hidden_layers=2, hidden_size=128, intermediate_size=256,
                             num_attention_heads=4, head_dim=32, tie_word_embeddings=True)
-    quantized = quantize(model, bits=bits, group_size=32, activations="float")
+    group_size = 64 if mode == "affine" else 32
+    quantized = quantize(model, bits=bits, group_size=group_size, activations="float", mode=mode)
     leaves = jax.tree.leaves(quantized, is_leaf=is_quantized)
     # q/k/v/o, gate/up/down, the embedding table, and the head unless tied to it.
     assert sum(is_quantized(leaf) for leaf in leaves) == 7 + 1 + (not tied)
@@ -248,8 +305,8 @@ def test_with_float_activations_a_quantized_model_decodes_as_its_dequantized_wei
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_with_int8_activations_decode_and_prefill_compute_one_function(model, bits):
+@pytest.mark.parametrize("kind", FORMATS)
+def test_with_int8_activations_decode_and_prefill_compute_one_function(model, kind):
     # The kernels (decode) and XLA (prefill) round each product's input the same
     # way (the kernel tests above check that to float32 rounding). But a value that
     # float32 noise between two paths (or two sequence lengths of one path) puts on
@@ -257,7 +314,8 @@ def test_with_int8_activations_decode_and_prefill_compute_one_function(model, bi
     # 1/127 of the block's largest value, and the layers after carry that on: here
     # logits moved by up to 2.5% of their largest value (int4, three layers), as
     # llama.cpp's do between its batched and single-token paths. Greedy tokens agree.
-    quantized = quantize(model, bits=bits, group_size=32)
+    bits, mode = FORMATS[kind]
+    quantized = quantize(model, bits=bits, group_size=64 if mode == "affine" else 32, mode=mode)
     ids = random_ids((2, 12), seed=bits)
     new = np.asarray(eqx_models.generate(quantized, ids, max_new_tokens=12, eos_token_id=[]))
     tokens = np.concatenate([np.asarray(ids), new], axis=1)
@@ -284,25 +342,26 @@ def test_int8_decode_step_reads_the_packed_weights_in_place():
     assert kernels_status() == "ready"
     model = small_model(seed=5, num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4,
                         head_dim=64)
-    for bits in (8, 4):
-        quantized = quantize(model, bits=bits)
+    for kind, (bits, mode) in FORMATS.items():
+        quantized = quantize(model, bits=bits, group_size=64 if mode == "affine" else 32, mode=mode)
         state = DecodeState(quantized.init_cache(1, 256), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool),
                             jax.random.key(0))
         compiled = _decode_step.lower(quantized, state, Sampling(), (), 0).compile().compiled
         layer_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(quantized.model.layers)) // 6
         temp = compiled.memory_analysis().temp_size_in_bytes
         # A dequantized float copy of one layer's MLP weight alone would be 1 MB.
-        assert temp < layer_bytes / 8, (bits, temp, layer_bytes)
+        assert temp < layer_bytes / 8, (kind, temp, layer_bytes)
         hlo = compiled.as_text()
         assert "eqx_models_quantized_matvec" in hlo
         assert not any("f32[1024,256]" in line or "f32[256,1024]" in line for line in hlo.splitlines())
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_a_quantized_moe_decode_step_reads_the_packed_experts_in_place(bits):
+@pytest.mark.parametrize("kind", FORMATS)
+def test_a_quantized_moe_decode_step_reads_the_packed_experts_in_place(kind):
     model = small_model(seed=6, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=256,
                         hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, head_dim=32)
-    quantized = quantize(model, bits=bits)
+    bits, mode = FORMATS[kind]
+    quantized = quantize(model, bits=bits, group_size=64 if mode == "affine" else 32, mode=mode)
     assert is_quantized(quantized.model.layers.mlp.experts.up_proj.weight)
     state = DecodeState(quantized.init_cache(1, 64), jnp.zeros(1, jnp.int32), jnp.zeros(1, bool), jax.random.key(0))
     compiled = _decode_step.lower(quantized, state, Sampling(), (), 0).compile().compiled
@@ -368,10 +427,11 @@ def arrays_equal(a, b) -> bool:
     return same_structure and all(x.dtype == y.dtype and (np.asarray(x) == np.asarray(y)).all() for x, y in pairs)
 
 
-@pytest.mark.parametrize("preset, bits", [("int8", 8), ("int4", 4)])
-def test_quantizing_while_loading_equals_quantizing_the_loaded_model(float_checkpoint, preset, bits):
+@pytest.mark.parametrize("preset, options", [("int8", dict(bits=8)), ("int4", dict(bits=4)),
+                                             ("int4-affine", dict(bits=4, group_size=64, mode="affine"))])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(float_checkpoint, preset, options):
     loaded = eqx_models.from_pretrained(float_checkpoint, quantize=preset)
-    assert arrays_equal(loaded, quantize(eqx_models.from_pretrained(float_checkpoint), bits=bits))
+    assert arrays_equal(loaded, quantize(eqx_models.from_pretrained(float_checkpoint), **options))
     in_bfloat16 = eqx_models.from_pretrained(float_checkpoint, quantize=preset, dtype="bfloat16")
     assert in_bfloat16.dtype == jnp.bfloat16 and in_bfloat16.model.norm.weight.dtype == jnp.bfloat16
     assert in_bfloat16.model.layers.mlp.up_proj.weight.scales.dtype == jnp.float16
@@ -387,7 +447,8 @@ def test_a_saved_quantized_checkpoint_reloads_without_requantizing(float_checkpo
     eqx_models.save_pretrained(quantized, tmp_path)
     entry = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert entry == dict(quant_method="eqx_models", format_version=1, bits=4, group_size=32, scale_dtype="bfloat16",
-                         activations="int8", embeddings=True, lm_head=True, keep_indivisible=False, experts=True)
+                         activations="int8", embeddings=True, lm_head=True, keep_indivisible=False, experts=True,
+                         mode="symmetric")
     with safe_open(tmp_path / "model.safetensors", "np") as f:
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "U8"
         assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [128, 32]
@@ -397,6 +458,27 @@ def test_a_saved_quantized_checkpoint_reloads_without_requantizing(float_checkpo
     ids = random_ids((1, 6)) % 97
     np.testing.assert_array_equal(eqx_models.generate(reloaded, ids, max_new_tokens=5),
                                   eqx_models.generate(quantized, ids, max_new_tokens=5))
+
+
+def test_an_affine_checkpoint_saves_its_biases_and_reloads_them(float_checkpoint, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    quantized = eqx_models.from_pretrained(float_checkpoint, quantize="int4-affine")
+    eqx_models.save_pretrained(quantized, tmp_path)
+    entry = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert (entry["bits"], entry["group_size"], entry["mode"]) == (4, 64, "affine")
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.scales").get_shape() == [128, 1]
+        biases = f.get_tensor("model.layers.0.mlp.up_proj.biases")
+        assert biases.shape == (128, 1) and biases.dtype == np.float16
+    reloaded = eqx_models.from_pretrained(tmp_path)
+    assert arrays_equal(reloaded, quantized) and reloaded.model.layers.mlp.up_proj.weight.mode == "affine"
+    # Asking for the same format again loads it as saved; another one is refused.
+    assert arrays_equal(eqx_models.from_pretrained(tmp_path, quantize="int4-affine"), quantized)
+    with pytest.raises(ValueError, match="already quantized"):
+        eqx_models.from_pretrained(tmp_path, quantize=dict(bits=4, group_size=64))
 
 
 def _experts(model):
@@ -441,14 +523,16 @@ def test_quantized_checkpoints_of_other_formats_and_versions_are_refused(float_c
     for entry, message in [
         (dict(quant_method="gptq", bits=4), "quant_method='gptq', which this library does not read"),
         (dict(quant_method="eqx_models", format_version=99, bits=8), "layout version 99.*reads version 1"),
+        (dict(quant_method="eqx_models", format_version=1, bits=4, mode="nf4"), "in mode 'nf4'.*Upgrade"),
     ]:
-        folder = tmp_path / entry["quant_method"]
+        folder = tmp_path / f"{entry['quant_method']}-{len(entry)}"
         shutil.copytree(float_checkpoint, folder)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps(dict(config, quantization_config=entry)))
         with pytest.raises(ValueError, match=message):
             eqx_models.from_pretrained(folder)
-    with pytest.raises(ValueError, match="quantize='int3' is not known; use one of \\['int4', 'int8'\\]"):
+    known = "use one of \\['int4', 'int4-affine', 'int8'\\]"
+    with pytest.raises(ValueError, match=f"quantize='int3' is not known; {known}"):
         eqx_models.from_pretrained(float_checkpoint, quantize="int3")
     with pytest.raises(ValueError, match="group_size=128 does not divide the input width 64"):
         eqx_models.from_pretrained(float_checkpoint, quantize=dict(bits=8, group_size=128))

@@ -552,10 +552,13 @@ def headwise_matvec(
     return _headwise(x.astype(jnp.float32), stack, layer, heads, row_start, rows, bool(transpose))
 
 
+def _layer_of(array, layer: Array):
+    return None if array is None else jax.lax.dynamic_index_in_dim(array, layer, keepdims=False)
+
+
 def _quantized_slice(stack, layer: Array) -> Array:
-    packed = jax.lax.dynamic_index_in_dim(stack.packed, layer, keepdims=False)
-    scales = jax.lax.dynamic_index_in_dim(stack.scales, layer, keepdims=False)
-    return dequantize(packed, scales, stack.bits, stack.group_size)
+    return dequantize(_layer_of(stack.packed, layer), _layer_of(stack.scales, layer), stack.bits, stack.group_size,
+                      biases=_layer_of(stack.biases, layer))
 
 
 def _quantized_reference(x, stacks, layer):
@@ -565,16 +568,19 @@ def _quantized_reference(x, stacks, layer):
 
 def _quantized_kernel(x, stacks, layer):
     bits, group, int8 = stacks[0].bits, stacks[0].group_size, stacks[0].activations == "int8"
+    affine = stacks[0].biases is not None
     shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.packed.shape[1:2], jnp.float32) for s in stacks)
     call = jax.ffi.ffi_call(QUANTIZED_TARGET, shapes, vmap_method="sequential")
-    arrays = [a for s in stacks for a in (s.packed, s.scales)]
+    arrays = [a for s in stacks for a in ((s.packed, s.scales, s.biases) if affine else (s.packed, s.scales))]
     return tuple(call(x, layer.astype(jnp.int32).reshape(()), *arrays, bits=np.int32(bits), group=np.int32(group),
-                      int8_activations=np.int32(int8)))
+                      int8_activations=np.int32(int8), affine=np.int32(affine)))
 
 
 @jax.custom_jvp
 def _quantized_matvecs(x, stacks, layer):
     if any(s.scales.dtype not in (jnp.float16, jnp.bfloat16) for s in stacks):  # the kernel reads 16-bit scales
+        return _quantized_reference(x, stacks, layer)
+    if any(s.biases is not None and s.biases.dtype != s.scales.dtype for s in stacks):
         return _quantized_reference(x, stacks, layer)
     return _dispatch(_quantized_kernel, _quantized_reference, x, stacks, layer)
 
@@ -588,10 +594,10 @@ def _quantized_matvecs_jvp(primals, tangents):
     x_seen = quantize_activations(x) if stacks[0].activations == "int8" else x
     outs_dot = []
     for stack, stack_dot in zip(stacks, stacks_dot):
-        # Linear in the scales: the integers over the scales' tangent.
-        packed = jax.lax.dynamic_index_in_dim(stack.packed, layer, keepdims=False)
-        scales_dot = jax.lax.dynamic_index_in_dim(stack_dot.scales, layer, keepdims=False)
-        weight_dot = dequantize(packed, scales_dot, stack.bits, stack.group_size)
+        # Linear in the scales and biases: the integers over the scales' tangent plus the biases'.
+        packed, scales_dot = _layer_of(stack.packed, layer), _layer_of(stack_dot.scales, layer)
+        weight_dot = dequantize(packed, scales_dot, stack.bits, stack.group_size,
+                                biases=_layer_of(getattr(stack_dot, "biases", None), layer))
         outs_dot.append(
             jnp.einsum("...i,oi->...o", x_dot, _quantized_slice(stack, layer))
             + jnp.einsum("...i,oi->...o", x_seen, weight_dot)
@@ -612,7 +618,9 @@ def quantized_matvecs(
     scales (the derivative uses the XLA form).
     """
     stacks = tuple(stacks)
-    formats = [(s.bits, s.group_size, s.activations) for s in stacks]
+    formats = [(s.bits, s.group_size, s.activations, s.mode) for s in stacks]
     if len(set(formats)) != 1:
-        raise ValueError(f"quantized_matvecs: the stacks must share bits, group_size and activations, got {formats}.")
+        raise ValueError(
+            f"quantized_matvecs: the stacks must share bits, group_size, activations and mode, got {formats}."
+        )
     return _quantized_matvecs(x.astype(jnp.float32), stacks, layer)

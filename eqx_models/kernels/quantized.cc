@@ -10,6 +10,9 @@
 //   int8: q = the signed byte.
 //   int4: q = nibble - 8; byte i of a group holds element i (low nibble) and
 //         element i + group / 2 (high nibble), llama.cpp's Q4_0 order.
+//   affine int4 (attribute `affine`): each stack has a third array, one bias per
+//         group (same shape and dtype as the scales), and w = nibble * scale + bias:
+//         the bias multiplies the group's sum of activations, added at the end.
 // Two ways with the activations (attribute `int8_activations`):
 //   0: float32 activations, float32 sums: the float32 product with the dequantized
 //      weight, up to the order of additions.
@@ -68,7 +71,8 @@ float half_to_float(uint16_t h) {
 struct Weights {
   const uint8_t* packed;    // [N, K * bits / 8]
   const uint16_t* scales;   // [N, K / group]
-  bool half;                // float16 scales (else bfloat16)
+  const uint16_t* biases;   // [N, K / group] (affine int4), else null
+  bool half;                // float16 scales and biases (else bfloat16)
   float* out;               // [rows, N]
   int64_t N, first_chunk, chunk;
 
@@ -76,11 +80,26 @@ struct Weights {
     const uint16_t s = scales[n * groups + g];
     return half ? half_to_float(s) : to_float(s);
   }
+  float bias(int64_t n, int64_t g, int64_t groups) const {
+    const uint16_t s = biases[n * groups + g];
+    return half ? half_to_float(s) : to_float(s);
+  }
 };
 
-void rows_portable(const Weights& w, const float* x, int64_t rows, int64_t n0, int64_t n1, int64_t K, int bits,
-                   int64_t group) {
+// Per activation row, the sum of each group's inputs (what an affine weight's
+// biases multiply), or empty for symmetric weights.
+std::vector<float> group_sums(const float* x, int64_t rows, int64_t K, int64_t group, bool affine) {
+  if (!affine) return {};
+  std::vector<float> sums(rows * (K / group), 0.0f);
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t k = 0; k < K; ++k) sums[b * (K / group) + k / group] += x[b * K + k];
+  return sums;
+}
+
+void rows_portable(const Weights& w, const float* x, const float* x_sums, int64_t rows, int64_t n0, int64_t n1,
+                   int64_t K, int bits, int64_t group) {
   const int64_t groups = K / group, row_bytes = K * bits / 8, half = group / 2;
+  const int zero = w.biases ? 0 : 8;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.packed + n * row_bytes;
     for (int64_t b = 0; b < rows; ++b) {
@@ -94,11 +113,12 @@ void rows_portable(const Weights& w, const float* x, int64_t rows, int64_t n0, i
         } else {
           const uint8_t* q = row + g * half;
           for (int64_t i = 0; i < half; ++i) {
-            sum += static_cast<float>((q[i] & 0xF) - 8) * xb[g * group + i];
-            sum += static_cast<float>((q[i] >> 4) - 8) * xb[g * group + half + i];
+            sum += static_cast<float>((q[i] & 0xF) - zero) * xb[g * group + i];
+            sum += static_cast<float>((q[i] >> 4) - zero) * xb[g * group + half + i];
           }
         }
         total += w.scale(n, g, groups) * sum;
+        if (w.biases) total += w.bias(n, g, groups) * x_sums[b * groups + g];
       }
       w.out[b * w.N + n] = total;
     }
@@ -110,7 +130,9 @@ constexpr int64_t kBlock = 32;  // inputs per activation scale
 // The activations of one call quantized per block of 32: integers, one scale per
 // block, and per weight group the term that undoes the weights' offset (the kernels
 // read int8 weights as unsigned q + 128 and int4 ones as their nibble, q + 8):
-// offset_sum[b, g] = offset * sum over g's blocks of dx * sum(xq).
+// offset_sum[b, g] = offset * sum over g's blocks of dx * sum(xq). Affine int4
+// weights are their nibbles with offset 1: offset_sum is then the group's sum of
+// the (rounded) inputs, which the biases multiply.
 struct QuantizedActivations {
   std::vector<int8_t> q;          // [rows, K]
   std::vector<float> scale;       // [rows, K / 32]
@@ -133,7 +155,7 @@ struct QuantizedActivations {
         scale[b * (K / kBlock) + j] = dx;
         offset_sum[b * (K / group) + j * kBlock / group] += static_cast<float>(offset) * dx * static_cast<float>(sum);
       }
-    if (offset == 8 && group == kBlock && (K / kBlock) % 2 == 0) {
+    if (offset != 128 && group == kBlock && (K / kBlock) % 2 == 0) {
       pairs.resize(rows * K);
       for (int64_t b = 0; b < rows; ++b)
         for (int64_t j = 0; j < K; j += 2 * kBlock) {
@@ -204,6 +226,7 @@ int32_t QuantizedActivations::round_block(const float* xs, float inverse, int8_t
 void rows_portable_int(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int bits,
                        int64_t group) {
   const int64_t K = a.K, groups = K / group, blocks = K / kBlock, row_bytes = K * bits / 8, half = group / 2;
+  const int zero = w.biases ? 0 : 8;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w.packed + n * row_bytes;
     for (int64_t b = 0; b < a.rows; ++b) {
@@ -220,13 +243,14 @@ void rows_portable_int(const Weights& w, const QuantizedActivations& a, int64_t 
             } else {
               const int64_t i = k - g * group;
               const uint8_t byte = row[g * half + (i < half ? i : i - half)];
-              wq = (i < half ? byte & 0xF : byte >> 4) - 8;
+              wq = (i < half ? byte & 0xF : byte >> 4) - zero;
             }
             sum += wq * xq[k];
           }
           in_group += a.scale[b * blocks + j] * static_cast<float>(sum);
         }
         total += w.scale(n, g, groups) * in_group;
+        if (w.biases) total += w.bias(n, g, groups) * a.offset_sum[b * groups + g];
       }
       w.out[b * w.N + n] = total;
     }
@@ -273,11 +297,14 @@ AVX512 void tile_int8(const Weights& w, const float* x, int64_t n, int64_t K, in
     for (int b = 0; b < B; ++b) w.out[b * w.N + n + r] = _mm512_reduce_add_ps(acc[r][b]);
 }
 
-template <int B, int R>
-AVX512 void tile_int4(const Weights& w, const float* x, int64_t n, int64_t K, int64_t group) {
+// Affine: the nibbles are the integers and each group's bias times the group's
+// input sum (`x_sums`) is added, in scalars beside the vector sums.
+template <int B, int R, bool Affine>
+AVX512 void tile_int4(const Weights& w, const float* x, const float* x_sums, int64_t n, int64_t K, int64_t group) {
   const int64_t groups = K / group, half = group / 2, row_bytes = K / 2;
-  const __m512i low_nibble = _mm512_set1_epi32(0xF), eight = _mm512_set1_epi32(8);
+  const __m512i low_nibble = _mm512_set1_epi32(0xF), zero = _mm512_set1_epi32(Affine ? 0 : 8);
   __m512 acc[R][B];
+  float bias_terms[R][B] = {};
   for (int r = 0; r < R; ++r)
     for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
@@ -290,8 +317,8 @@ AVX512 void tile_int4(const Weights& w, const float* x, int64_t n, int64_t K, in
         const __m128i bytes =
             _mm_loadu_si128(reinterpret_cast<const __m128i*>(w.packed + (n + r) * row_bytes + g * half + i));
         const __m512i wide = _mm512_cvtepu8_epi32(bytes);
-        lo[r] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(wide, low_nibble), eight));
-        hi[r] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(wide, 4), eight));
+        lo[r] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_and_si512(wide, low_nibble), zero));
+        hi[r] = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_srli_epi32(wide, 4), zero));
       }
       for (int b = 0; b < B; ++b) {
         const float* xg = x + b * K + g * group + i;
@@ -305,42 +332,50 @@ AVX512 void tile_int4(const Weights& w, const float* x, int64_t n, int64_t K, in
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(scale_of(w, n + r, g, groups));
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_fmadd_ps(part[r][b], s, acc[r][b]);
+      if constexpr (Affine) {
+        const float bias = w.bias(n + r, g, groups);
+        for (int b = 0; b < B; ++b) bias_terms[r][b] += bias * x_sums[b * groups + g];
+      }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) w.out[b * w.N + n + r] = _mm512_reduce_add_ps(acc[r][b]);
+    for (int b = 0; b < B; ++b) w.out[b * w.N + n + r] = _mm512_reduce_add_ps(acc[r][b]) + bias_terms[r][b];
 }
 
 template <int B, int R8, int R4>
-AVX512 void rows_fixed(const Weights& w, const float* x, int64_t n0, int64_t n1, int64_t K, int bits,
-                       int64_t group) {
+AVX512 void rows_fixed(const Weights& w, const float* x, const float* x_sums, int64_t n0, int64_t n1, int64_t K,
+                       int bits, int64_t group) {
   int64_t n = n0;
   if (bits == 8) {
     for (; n + R8 <= n1; n += R8) tile_int8<B, R8>(w, x, n, K, group);
     for (; n < n1; ++n) tile_int8<B, 1>(w, x, n, K, group);
+  } else if (w.biases) {
+    for (; n + R4 <= n1; n += R4) tile_int4<B, R4, true>(w, x, x_sums, n, K, group);
+    for (; n < n1; ++n) tile_int4<B, 1, true>(w, x, x_sums, n, K, group);
   } else {
-    for (; n + R4 <= n1; n += R4) tile_int4<B, R4>(w, x, n, K, group);
-    for (; n < n1; ++n) tile_int4<B, 1>(w, x, n, K, group);
+    for (; n + R4 <= n1; n += R4) tile_int4<B, R4, false>(w, x, x_sums, n, K, group);
+    for (; n < n1; ++n) tile_int4<B, 1, false>(w, x, x_sums, n, K, group);
   }
 }
 
 // Tile heights that keep the totals, partial sums and widened weights within the
 // 32 vector registers.
-AVX512 void rows_avx512(const Weights& w, const float* x, int64_t rows, int64_t n0, int64_t n1, int64_t K,
-                        int bits, int64_t group) {
+AVX512 void rows_avx512(const Weights& w, const float* x, const float* x_sums, int64_t rows, int64_t n0,
+                        int64_t n1, int64_t K, int bits, int64_t group) {
   for (int64_t b0 = 0; b0 < rows; b0 += 8) {
     const float* xs = x + b0 * K;
+    const float* sums = x_sums ? x_sums + b0 * (K / group) : nullptr;
     Weights shifted = w;
     shifted.out = w.out + b0 * w.N;
     switch (rows - b0 < 8 ? rows - b0 : 8) {
-      case 1: rows_fixed<1, 8, 6>(shifted, xs, n0, n1, K, bits, group); break;
-      case 2: rows_fixed<2, 4, 4>(shifted, xs, n0, n1, K, bits, group); break;
-      case 3: rows_fixed<3, 3, 2>(shifted, xs, n0, n1, K, bits, group); break;
-      case 4: rows_fixed<4, 3, 2>(shifted, xs, n0, n1, K, bits, group); break;
-      case 5: rows_fixed<5, 1, 1>(shifted, xs, n0, n1, K, bits, group); break;
-      case 6: rows_fixed<6, 1, 1>(shifted, xs, n0, n1, K, bits, group); break;
-      case 7: rows_fixed<7, 1, 1>(shifted, xs, n0, n1, K, bits, group); break;
-      default: rows_fixed<8, 1, 1>(shifted, xs, n0, n1, K, bits, group); break;
+      case 1: rows_fixed<1, 8, 6>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      case 2: rows_fixed<2, 4, 4>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      case 3: rows_fixed<3, 3, 2>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      case 4: rows_fixed<4, 3, 2>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      case 5: rows_fixed<5, 1, 1>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      case 6: rows_fixed<6, 1, 1>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      case 7: rows_fixed<7, 1, 1>(shifted, xs, sums, n0, n1, K, bits, group); break;
+      default: rows_fixed<8, 1, 1>(shifted, xs, sums, n0, n1, K, bits, group); break;
     }
   }
 }
@@ -386,6 +421,15 @@ AVX512_VNNI inline __m256i weight_block(const uint8_t* row, int64_t g, int64_t i
 // The weights' offset comes off at the end through `offset_sum`. One row at a time
 // streams each row's bytes in order, which the hardware prefetchers follow (eight
 // interleaved rows, as the float tiles take them, ran at a third of the speed).
+// `count` 16-bit floats (float16 if `half`, else bfloat16) as float32.
+AVX512_VNNI inline void widen(const uint16_t* from, bool half, int64_t count, float* to) {
+  int64_t g = 0;
+  if (half)  // 16 at a time
+    for (; g + 16 <= count; g += 16)
+      _mm512_storeu_ps(to + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + g))));
+  for (; g < count; ++g) to[g] = half ? _cvtsh_ss(from[g]) : to_float(from[g]);
+}
+
 template <int Bits, int B>
 AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64_t b0, int64_t n, int64_t group,
                           float* scratch) {
@@ -393,13 +437,11 @@ AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64
   const int64_t K = a.K, groups = K / group, blocks = K / kBlock, row_bytes = K * Bits / 8;
   const int64_t per_group = group / kBlock, shift = per_group == 1 ? 0 : per_group == 2 ? 1 : 2;
   const uint8_t* row = w.packed + n * row_bytes;
-  float* dw = scratch;               // [groups]
-  float* both = scratch + groups;    // [B, blocks]: dw * dx
-  int64_t g = 0;
-  if (w.half)  // 16 scales at a time
-    for (; g + 16 <= groups; g += 16)
-      _mm512_storeu_ps(dw + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.scales + n * groups + g))));
-  for (; g < groups; ++g) dw[g] = scale_of(w, n, g, groups);
+  float* dw = scratch;                    // [groups]
+  float* bias = scratch + groups;         // [groups] (affine)
+  float* both = scratch + 2 * groups;     // [B, blocks]: dw * dx
+  widen(w.scales + n * groups, w.half, groups, dw);
+  if (w.biases) widen(w.biases + n * groups, w.half, groups, bias);
   for (int b = 0; b < B; ++b) {
     const float* dx = a.scale.data() + (b0 + b) * blocks;
     float* out = both + b * blocks;
@@ -460,16 +502,19 @@ AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64
       acc[0][b] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(both[b * blocks + j]), acc[0][b]);
     }
   }
+  // Symmetric: minus dw * (offset * input sum) per group; affine: plus bias * input sum.
+  const float* coefficient = w.biases ? bias : dw;
+  const float sign = w.biases ? 1.0f : -1.0f;
   for (int b = 0; b < B; ++b) {
     const float sum = lane_sum<U, B>(acc, b);
     const float* offsets = a.offset_sum.data() + (b0 + b) * groups;
     __m512 offset16 = _mm512_setzero_ps();
     int64_t gg = 0;
     for (; gg + 16 <= groups; gg += 16)
-      offset16 = _mm512_fmadd_ps(_mm512_loadu_ps(dw + gg), _mm512_loadu_ps(offsets + gg), offset16);
+      offset16 = _mm512_fmadd_ps(_mm512_loadu_ps(coefficient + gg), _mm512_loadu_ps(offsets + gg), offset16);
     float offset = _mm512_reduce_add_ps(offset16);
-    for (; gg < groups; ++gg) offset += dw[gg] * offsets[gg];
-    w.out[(b0 + b) * w.N + n] = sum - offset;
+    for (; gg < groups; ++gg) offset += coefficient[gg] * offsets[gg];
+    w.out[(b0 + b) * w.N + n] = sum + sign * offset;
   }
 }
 
@@ -481,7 +526,7 @@ AVX512_VNNI void rows_vnni_fixed(const Weights& w, const QuantizedActivations& a
 
 template <int Bits>
 AVX512_VNNI void rows_vnni(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int64_t group) {
-  std::vector<float> scratch(a.K / group + 8 * (a.K / kBlock));
+  std::vector<float> scratch(2 * (a.K / group) + 8 * (a.K / kBlock));
   for (int64_t b0 = 0; b0 < a.rows; b0 += 8) {
     float* s = scratch.data();
     switch (a.rows - b0 < 8 ? a.rows - b0 : 8) {
@@ -499,8 +544,9 @@ AVX512_VNNI void rows_vnni(const Weights& w, const QuantizedActivations& a, int6
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 
-// Block `i` (32 inputs) of group `g` of a weight row as signed bytes q, in input order.
-template <int Bits>
+// Block `i` (32 inputs) of group `g` of a weight row as signed bytes q, in input
+// order (affine int4: the nibbles themselves, 0..15).
+template <int Bits, bool Affine = false>
 AVX2 inline __m256i signed_block(const uint8_t* row, int64_t g, int64_t i, int64_t group) {
   if constexpr (Bits == 8) {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + g * group + i * kBlock));
@@ -518,7 +564,7 @@ AVX2 inline __m256i signed_block(const uint8_t* row, int64_t g, int64_t i, int64
       const __m256i mask = _mm256_set1_epi8(0x0F);
       nibbles = start < half ? _mm256_and_si256(b, mask) : _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
     }
-    return _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
+    return Affine ? nibbles : _mm256_sub_epi8(nibbles, _mm256_set1_epi8(8));
   }
 }
 
@@ -531,18 +577,19 @@ AVX2 inline float scale_avx2(const Weights& w, int64_t n, int64_t g, int64_t gro
 // saturating 16-bit pair sums, so the weights go in as |q| and each activation
 // takes q's sign (|q| * sign(q) x: at most 2 * 128 * 127, no saturation); a
 // `vpmaddwd` by ones widens the pairs to the 8 lanes of 32-bit sums. The weights
-// are read signed, so no offset comes off at the end. Block `k` of the row into
+// are read signed, so no offset comes off at the end. Affine int4 nibbles are
+// unsigned already (the biases come in at the end). Block `k` of the row into
 // the B sums `acc`.
-template <int Bits, int B>
+template <int Bits, int B, bool Affine>
 AVX2 inline void block_avx2(const uint8_t* row, const QuantizedActivations& a, int64_t b0, const float* dw,
                             int64_t group, int64_t k, __m256* acc) {
   const int64_t K = a.K, blocks = K / kBlock, per_group = group / kBlock, g = k / per_group;
-  const __m256i wv = signed_block<Bits>(row, g, k - g * per_group, group);
-  const __m256i magnitude = _mm256_sign_epi8(wv, wv);
+  const __m256i wv = signed_block<Bits, Affine>(row, g, k - g * per_group, group);
+  const __m256i magnitude = Affine ? wv : _mm256_sign_epi8(wv, wv);
   for (int b = 0; b < B; ++b) {
     const int8_t* xq = a.q.data() + (b0 + b) * K + k * kBlock;
     const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq));
-    const __m256i pairs = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(xv, wv));
+    const __m256i pairs = _mm256_maddubs_epi16(magnitude, Affine ? xv : _mm256_sign_epi8(xv, wv));
     const __m256 sums = _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
     const float both = dw[g] * a.scale[(b0 + b) * blocks + k];
     acc[b] = _mm256_fmadd_ps(sums, _mm256_set1_ps(both), acc[b]);
@@ -551,7 +598,7 @@ AVX2 inline void block_avx2(const uint8_t* row, const QuantizedActivations& a, i
 
 // One weight row against B activation rows; U blocks at a time keep independent
 // sums in flight.
-template <int Bits, int B>
+template <int Bits, int B, bool Affine>
 AVX2 void row_avx2(const Weights& w, const QuantizedActivations& a, int64_t b0, int64_t n, int64_t group,
                    float* dw) {
   constexpr int U = B >= 4 ? 1 : 4 / B;
@@ -563,23 +610,26 @@ AVX2 void row_avx2(const Weights& w, const QuantizedActivations& a, int64_t b0, 
     for (int b = 0; b < B; ++b) acc[u][b] = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + U <= blocks; j += U)
-    for (int u = 0; u < U; ++u) block_avx2<Bits, B>(row, a, b0, dw, group, j + u, acc[u]);
-  for (; j < blocks; ++j) block_avx2<Bits, B>(row, a, b0, dw, group, j, acc[0]);
+    for (int u = 0; u < U; ++u) block_avx2<Bits, B, Affine>(row, a, b0, dw, group, j + u, acc[u]);
+  for (; j < blocks; ++j) block_avx2<Bits, B, Affine>(row, a, b0, dw, group, j, acc[0]);
   for (int b = 0; b < B; ++b) {
-    w.out[(b0 + b) * w.N + n] = lane_sum<U, B>(acc, b);
+    float bias_term = 0;
+    if constexpr (Affine)
+      for (int64_t g = 0; g < groups; ++g) bias_term += w.bias(n, g, groups) * a.offset_sum[(b0 + b) * groups + g];
+    w.out[(b0 + b) * w.N + n] = lane_sum<U, B>(acc, b) + bias_term;
   }
 }
 
-template <int Bits>
+template <int Bits, bool Affine>
 AVX2 void rows_avx2(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int64_t group) {
   std::vector<float> dw(a.K / group);
   for (int64_t b0 = 0; b0 < a.rows; b0 += 4) {
     for (int64_t n = n0; n < n1; ++n) {
       switch (a.rows - b0 < 4 ? a.rows - b0 : 4) {
-        case 1: row_avx2<Bits, 1>(w, a, b0, n, group, dw.data()); break;
-        case 2: row_avx2<Bits, 2>(w, a, b0, n, group, dw.data()); break;
-        case 3: row_avx2<Bits, 3>(w, a, b0, n, group, dw.data()); break;
-        default: row_avx2<Bits, 4>(w, a, b0, n, group, dw.data()); break;
+        case 1: row_avx2<Bits, 1, Affine>(w, a, b0, n, group, dw.data()); break;
+        case 2: row_avx2<Bits, 2, Affine>(w, a, b0, n, group, dw.data()); break;
+        case 3: row_avx2<Bits, 3, Affine>(w, a, b0, n, group, dw.data()); break;
+        default: row_avx2<Bits, 4, Affine>(w, a, b0, n, group, dw.data()); break;
       }
     }
   }
@@ -604,17 +654,20 @@ const bool kHasAvx2 = false;
 void rows_int(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int bits, int64_t group) {
 #if defined(__x86_64__)
   if (kHasVnni) return bits == 8 ? rows_vnni<8>(w, a, n0, n1, group) : rows_vnni<4>(w, a, n0, n1, group);
-  if (kHasAvx2) return bits == 8 ? rows_avx2<8>(w, a, n0, n1, group) : rows_avx2<4>(w, a, n0, n1, group);
+  if (kHasAvx2) {
+    if (bits == 8) return rows_avx2<8, false>(w, a, n0, n1, group);
+    return w.biases ? rows_avx2<4, true>(w, a, n0, n1, group) : rows_avx2<4, false>(w, a, n0, n1, group);
+  }
 #endif
   rows_portable_int(w, a, n0, n1, bits, group);
 }
 
-void rows_any(const Weights& w, const float* x, int64_t rows, int64_t n0, int64_t n1, int64_t K, int bits,
-              int64_t group) {
+void rows_any(const Weights& w, const float* x, const float* x_sums, int64_t rows, int64_t n0, int64_t n1, int64_t K,
+              int bits, int64_t group) {
 #if defined(__x86_64__)
-  if (kHasAvx512) return rows_avx512(w, x, rows, n0, n1, K, bits, group);
+  if (kHasAvx512) return rows_avx512(w, x, x_sums, rows, n0, n1, K, bits, group);
 #endif
-  rows_portable(w, x, rows, n0, n1, K, bits, group);
+  rows_portable(w, x, x_sums, rows, n0, n1, K, bits, group);
 }
 
 // About 256K weights per chunk (what matvec.cc's 1 MiB holds in float32): these
@@ -626,12 +679,16 @@ int64_t chunk_rows(int64_t K) {
 }
 
 ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs stacks,
-                           ffi::RemainingRets outs, int32_t bits, int32_t group, int32_t int8_activations) {
+                           ffi::RemainingRets outs, int32_t bits, int32_t group, int32_t int8_activations,
+                           int32_t affine) {
   auto x_dims = x.dimensions();
-  if (x_dims.size() < 1 || stacks.size() == 0 || stacks.size() != 2 * outs.size())
-    return ffi::Error::InvalidArgument("quantized_matvec: want x [..., K], the layer, and (integers, scales) per output");
+  const size_t per_stack = affine ? 3 : 2;
+  if (x_dims.size() < 1 || stacks.size() == 0 || stacks.size() != per_stack * outs.size())
+    return ffi::Error::InvalidArgument(
+        "quantized_matvec: want x [..., K], the layer, and (integers, scales[, biases]) per output");
   if ((bits != 8 && bits != 4) || group < 32 || group % 32)
     return ffi::Error::InvalidArgument("quantized_matvec: bits must be 8 or 4 and the group a multiple of 32");
+  if (affine && bits != 4) return ffi::Error::InvalidArgument("quantized_matvec: affine weights are int4 only");
   const int64_t K = x_dims.back();
   if (K % group) return ffi::Error::InvalidArgument("quantized_matvec: the group must divide K");
   const int64_t rows = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
@@ -639,8 +696,8 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   std::vector<Weights> weights;
   int64_t chunks = 0;
   for (size_t j = 0; j < outs.size(); ++j) {
-    auto packed = stacks.get<ffi::AnyBuffer>(2 * j);
-    auto scales = stacks.get<ffi::AnyBuffer>(2 * j + 1);
+    auto packed = stacks.get<ffi::AnyBuffer>(per_stack * j);
+    auto scales = stacks.get<ffi::AnyBuffer>(per_stack * j + 1);
     auto y = outs.get<ffi::Buffer<ffi::F32>>(j);
     if (!packed.has_value() || !scales.has_value() || !y.has_value())
       return ffi::Error::InvalidArgument("quantized_matvec: inputs and outputs must be arrays, outputs float32");
@@ -654,14 +711,24 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       return ffi::Error::InvalidArgument("quantized_matvec: want [layers, N, K * bits / 8] and [layers, N, K / group]");
     if (index < 0 || index >= p[0]) return ffi::Error::InvalidArgument("quantized_matvec: layer index out of range");
     const int64_t N = p[1], chunk = chunk_rows(K);
+    const uint16_t* biases = nullptr;
+    if (affine) {
+      auto b = stacks.get<ffi::AnyBuffer>(per_stack * j + 2);
+      if (!b.has_value() || b->element_type() != scales->element_type() || b->dimensions().size() != 3 ||
+          b->dimensions()[0] != s[0] || b->dimensions()[1] != s[1] || b->dimensions()[2] != s[2])
+        return ffi::Error::InvalidArgument("quantized_matvec: biases must have the scales' shape and dtype");
+      biases = static_cast<const uint16_t*>(b->untyped_data()) + index * N * groups;
+    }
     weights.push_back({static_cast<const uint8_t*>(packed->untyped_data()) + index * N * row_bytes,
-                       static_cast<const uint16_t*>(scales->untyped_data()) + index * N * groups,
+                       static_cast<const uint16_t*>(scales->untyped_data()) + index * N * groups, biases,
                        scales->element_type() == ffi::DataType::F16, (*y)->typed_data(), N, chunks, chunk});
     chunks += (N + chunk - 1) / chunk;
   }
   const float* xs = x.typed_data();
   std::unique_ptr<QuantizedActivations> quantized;
-  if (int8_activations) quantized = std::make_unique<QuantizedActivations>(xs, rows, K, group, bits == 8 ? 128 : 8);
+  if (int8_activations)
+    quantized = std::make_unique<QuantizedActivations>(xs, rows, K, group, bits == 8 ? 128 : affine ? 1 : 8);
+  const std::vector<float> x_sums = group_sums(xs, rows, K, group, affine && !int8_activations);
   eqx_models::parallel_for(chunks, [&](int64_t c) {
     size_t j = weights.size() - 1;
     while (weights[j].first_chunk > c) --j;
@@ -670,7 +737,7 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     if (quantized)
       rows_int(w, *quantized, n0, n1, bits, group);
     else
-      rows_any(w, xs, rows, n0, n1, K, bits, group);
+      rows_any(w, xs, x_sums.empty() ? nullptr : x_sums.data(), rows, n0, n1, K, bits, group);
   });
   return ffi::Error::Success();
 }
@@ -685,4 +752,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxQuantizedMatvec, QuantizedMatvec,
                                   .RemainingRets()
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("group")
-                                  .Attr<int32_t>("int8_activations"));
+                                  .Attr<int32_t>("int8_activations")
+                                  .Attr<int32_t>("affine"));

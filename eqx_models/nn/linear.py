@@ -116,7 +116,7 @@ def project_many(x: Float[Array, "*batch in"], weights: list[Weight]) -> list[Fl
     if all(use_matvec_kernel(x, w) for w in weights):
         stacks, indices = zip(*map(_as_stack, weights))
         kinds = {(type(s), s.dtype, getattr(s, "bits", None), getattr(s, "group_size", None),
-                  getattr(s, "activations", None)) for s in stacks}
+                  getattr(s, "activations", None), getattr(s, "mode", None)) for s in stacks}
         if len(kinds) == 1 and all(i is indices[0] for i in indices):
             outs = _matvecs(x, stacks, indices[0])
         else:
