@@ -45,6 +45,8 @@ PRECISIONS = {
     "bfloat16": dict(dtype="bfloat16", gguf="bf16"),
     "int8": dict(quantize="int8", gguf="q8_0"),
     "int4": dict(quantize="int4", gguf="q4_0-pure"),
+    # Affine int4 (group 64, scale and bias) beside llama.cpp's affine Q4_1 (group 32).
+    "int4-affine": dict(quantize="int4-affine", gguf="q4_1-pure"),
     # The GGUF file itself, read by eqx_models (its blocks kept packed): both systems on one file.
     "int8-gguf": dict(gguf="q8_0", read_gguf=True),
     "int4-gguf": dict(gguf="q4_0-pure", read_gguf=True),

@@ -500,7 +500,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     from .nn.causal_lm import CausalLM
     from .quantization import QuantizedWeight, quantizable_layers, spec_for
     from .quantization import quantize as quantize_model
-    from .sharding import placement_for
+    from .sharding import shard_model
 
     file = GGUFFile(path)
     config = architecture_for(hf := hf_config(file)).config_from_hf(hf)
@@ -524,9 +524,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
             raise ValueError(f"{path} is already quantized ({len(packed)} packed weights); drop quantize=.")
         model = quantize_model(model, **spec_for(quantize).options())
     if mesh is not None:
-        if packed or quantize is not None:
-            raise ValueError("A quantized model cannot be placed on a mesh yet: load it on one device.")
-        model = model.with_placement(placement_for(config, mesh, sharding))
+        model = shard_model(model, mesh, sharding)
     return model
 
 

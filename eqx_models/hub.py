@@ -22,7 +22,7 @@ from .nn.causal_lm import CausalLM
 from .quantization import QuantizationSpec, quantize_weight, spec_for, spec_from_hf, spec_of
 from .quantization import quantize as quantize_model
 from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
-from .sharding import ShardingRules, placement_for, shardings
+from .sharding import ShardingRules, placement_for, shard_model, shardings
 
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
 TOKENIZER_FILES = [
@@ -235,9 +235,6 @@ def from_pretrained(
     if gguf_path is not None:
         return load_gguf(gguf_path, dtype=dtype, scan_layers=scan_layers, mesh=mesh, sharding=sharding,
                          quantize=quantize)
-    if quantize is not None and mesh is not None:
-        raise ValueError("quantize= with mesh= is not supported yet: load on one device, or load the float model "
-                         "on the mesh.")
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=MODEL_FILES)
     config_path = folder / "config.json"
     if not config_path.exists():
@@ -319,6 +316,10 @@ def from_pretrained(
         arrays = [loaded[tuple(path)] if tuple(path) in loaded else loaded[tuple(path[:-1])][_PART[path[-1].name]]
                   for path, _ in q_leaves]
     model = jax.tree_util.tree_unflatten(treedef, arrays)
+    if placement is not None and quantized_skeleton is not None:
+        # Quantized in host memory a block of rows at a time, then split: each
+        # device receives whole groups of its weights' share.
+        return shard_model(model, mesh, sharding)
     return model if placement is None else model.with_placement(placement)
 
 

@@ -24,6 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from .quantization import QuantizedWeight
+
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
 # What each mesh axis splits (the `default` preset): data-like axes split the
@@ -301,14 +303,40 @@ def placement_for(config, mesh: Mesh, sharding=None) -> Placement:
     return Placement(auto, resolve_rules(sharding), head_counts(config))
 
 
+def partition_specs(tree, placement: Placement):
+    """The `PartitionSpec` of every array (or shape) of a model or cache (None for
+    other leaves).
+
+    A quantized weight's integers, scales and biases split alike, by the count of
+    groups along the input: a device's share of the input axis then holds whole
+    groups (a split the groups do not divide is not made), and each integer sits
+    beside its scale.
+    """
+
+    def spec(leaf, names):
+        if isinstance(leaf, QuantizedWeight):
+            # A head axis splits by whole heads, and here by whole groups too.
+            by_heads = placement.spec(names.scales, leaf.scales.shape)
+            by_groups = partition_spec(names.scales, leaf.scales.shape, placement.rules, placement.axis_sizes)
+            both = [a if a == _entry(by_groups, i) else None for i, a in enumerate(by_heads)]
+            while both and both[-1] is None:
+                both.pop()
+            return jax.tree.map(lambda _: PartitionSpec(*both), leaf)
+        return placement.spec(names, leaf.shape) if _array_like(leaf) else None
+
+    is_leaf = lambda x: _is_shape(x) or isinstance(x, QuantizedWeight)
+    return jax.tree.map(spec, tree, logical_axes(tree), is_leaf=is_leaf)
+
+
+def _entry(spec: PartitionSpec, axis: int):
+    return spec[axis] if axis < len(spec) else None
+
+
 def shardings(tree, placement: Placement):
     """`NamedSharding` for every array (or shape) of a model or cache."""
-    return jax.tree.map(
-        lambda leaf, names: placement.sharding(names, leaf.shape) if _array_like(leaf) else None,
-        tree,
-        logical_axes(tree),
-        is_leaf=_is_shape,
-    )
+    named = lambda spec: NamedSharding(placement.mesh, spec)
+    return jax.tree.map(lambda s: None if s is None else named(s), partition_specs(tree, placement),
+                        is_leaf=lambda x: x is None or isinstance(x, PartitionSpec))
 
 
 def shard_model(model, mesh: Mesh, sharding=None):
@@ -390,13 +418,13 @@ def shard_shape(shape: tuple[int, ...], spec: PartitionSpec, axis_sizes: Mapping
 def per_device_bytes(tree, placement: Placement) -> int:
     """Bytes each device holds of `tree`'s arrays (or shapes) under `placement`."""
 
-    def nbytes(leaf, names):
+    def nbytes(leaf, spec):
         if not _array_like(leaf):
             return 0
-        shape = shard_shape(leaf.shape, placement.spec(names, leaf.shape), placement.axis_sizes)
-        return math.prod(shape) * np.dtype(leaf.dtype).itemsize
+        return math.prod(shard_shape(leaf.shape, spec, placement.axis_sizes)) * np.dtype(leaf.dtype).itemsize
 
-    return sum(jax.tree.leaves(jax.tree.map(nbytes, tree, logical_axes(tree), is_leaf=_is_shape)))
+    specs = partition_specs(tree, placement)
+    return sum(jax.tree.leaves(jax.tree.map(nbytes, tree, specs, is_leaf=_is_shape)))
 
 
 def parse_mesh_shape(text: str) -> dict[str, int]:

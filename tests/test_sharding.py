@@ -65,6 +65,26 @@ def test_heads_are_never_cut_in_half():
     assert placement.spec(("layers", "mlp", "embed"), (48, 6144, 2048)) == P(None, "tensor")
 
 
+def test_a_quantized_weight_splits_by_whole_groups():
+    from eqx_models.quantization import quantize
+    from eqx_models.sharding import partition_specs, per_device_bytes
+
+    hf = tiny_config("qwen3", hidden_size=64, intermediate_size=256, head_dim=16).to_diff_dict()
+    config = architecture_for(hf).config_from_hf(hf)
+    model = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
+    quantized = eqx.filter_eval_shape(lambda m: quantize(m, bits=4, group_size=64, mode="affine"), model)
+    placement = Placement(jax.sharding.AbstractMesh((4,), ("tensor",)), resolve_rules(None), head_counts(config))
+    specs = partition_specs(quantized, placement)
+    down, up = specs.model.layers.mlp.down_proj.weight, specs.model.layers.mlp.up_proj.weight
+    # down_proj's 256 inputs are 4 groups: one a device, integers, scales and biases alike.
+    assert down.packed == down.scales == down.biases == P(None, None, "tensor")
+    assert up.packed == up.scales == up.biases == P(None, "tensor")
+    # o_proj's 64 inputs are one group: not split along the input, though 32 bytes would divide.
+    o_proj = specs.model.layers.self_attn.o_proj.weight
+    assert o_proj.packed == o_proj.scales == P()
+    assert 0 < per_device_bytes(quantized, placement) < per_device_bytes(model, placement)
+
+
 def is_axes(x) -> bool:
     return isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x)
 

@@ -21,8 +21,9 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import sharding
 from ..config import DecoderConfig
+from ..quantization import QuantizedWeight
 from ..sharding import stacked_field
-from .linear import LayerSlice, Linear, is_quantized, layer_view, project, project_many
+from .linear import LayerSlice, Linear, layer_view, project, project_many
 from .mlp import ACTIVATIONS, GatedMLP
 
 MAX_BLOCK_ROWS = 128
@@ -42,7 +43,7 @@ class Experts(eqx.Module):
         self.gate_proj, self.up_proj, self.down_proj = mlps.gate_proj, mlps.up_proj, mlps.down_proj
 
 
-def _expert_weight(weight: Array | LayerSlice, expert: Int[Array, ""]) -> LayerSlice:
+def _expert_weight(weight: Array | QuantizedWeight | LayerSlice, expert: Int[Array, ""]) -> LayerSlice:
     """Expert `expert` of `[experts, out, in]` weights (or of one layer's, in a stack
     `[layers, experts, out, in]`), as a slice of a flat `[layers * experts, out, in]`
     stack so the kernels read it in place."""
@@ -206,19 +207,23 @@ class SparseMoeBlock(eqx.Module):
         """
         token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
         token_axes = _axes(_entry(token_spec, 0))
-        weights, specs = [], []
+        weights, axes, splits = [], [], []
         for weight, own in self.expert_arrays():
-            if is_quantized(weight):
-                raise ValueError(
-                    "Quantized experts do not run on a mesh yet. Quantize with experts=False "
-                    "(eqx_models.quantize(model, ..., experts=False), or quantize=dict(bits=..., experts=False)) "
-                    "to keep them float, or run the quantized model on one device."
-                )
             weight = weight.materialize() if isinstance(weight, LayerSlice) else weight
-            own = tuple(None if a == "embed" else a for a in own)  # each device holds whole rows of `embed`
-            spec = placement.spec(("experts",) + own, weight.shape)
+            own = ("experts",) + tuple(None if a == "embed" else a for a in own)  # whole rows of `embed` each
+            # A quantized stack splits by its count of groups (see sharding.partition_specs).
+            shape = weight.scales.shape if isinstance(weight, QuantizedWeight) else weight.shape
             weights.append(weight)
-            specs.append(PartitionSpec(_entry(spec, 0), *(None if a is None else e for a, e in zip(own, spec[1:]))))
+            axes.append(own)
+            splits.append({a: e for a, e in zip(own, placement.spec(own, shape)) if a is not None})
+        # Each logical axis splits one way in all the weights (the `mlp` output of
+        # gate/up is down's input) or not at all: a quantized down projection
+        # whose groups the split does not divide keeps the MLP width whole.
+        agreed = {a: splits[0].get(a) if all(s.get(a) == splits[0].get(a) for s in splits) else None
+                  for s in splits for a in s}
+        specs = [PartitionSpec(*(None if a is None else agreed.get(a) for a in own)) for own in axes]
+        array_specs = [jax.tree.map(lambda _, spec=spec: spec, w) if isinstance(w, QuantizedWeight) else spec
+                       for w, spec in zip(weights, specs)]
         expert_axes = _axes(_entry(specs[0], 0))
         width_axes = _axes(_entry(specs[0], 1))
         partial_axes = expert_axes + width_axes  # devices whose outputs are partial sums
@@ -236,7 +241,9 @@ class SparseMoeBlock(eqx.Module):
             # Everything the expert loop reads varies over the same axes from here on:
             # otherwise JAX casts inside its `cond` branches, and those casts
             # transpose to collectives that only the devices taking a branch reach.
-            tokens, *weights = _vary_alike(tokens, *weights)
+            arrays, structure = jax.tree.flatten(weights)
+            tokens, *arrays = _vary_alike(tokens, *arrays)
+            weights = jax.tree.unflatten(structure, arrays)
             weights_of, chosen = self.route_tokens(router, tokens)
             if expert_axes:
                 first = jax.lax.axis_index(expert_axes) * local
@@ -256,7 +263,7 @@ class SparseMoeBlock(eqx.Module):
         return jax.shard_map(
             on_device,
             mesh=placement.mesh,
-            in_specs=(token_spec, PartitionSpec(), tuple(specs)),
+            in_specs=(token_spec, PartitionSpec(), tuple(array_specs)),
             out_specs=token_spec,
         )(x, router, tuple(weights))
 

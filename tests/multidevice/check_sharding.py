@@ -254,6 +254,41 @@ def test_every_architecture_on_a_tensor_and_data_parallel_mesh_equals_one_device
     assert split  # something really is split over tensor
 
 
+@pytest.mark.parametrize("model_name,shape,quantize", [
+    ("qwen3", {"data": 4, "tensor": 2}, "int8"),
+    ("qwen3", {"fsdp": 2, "tensor": 4}, dict(bits=4, group_size=32, mode="affine")),
+    ("qwen3_moe", {"data": 4, "tensor": 2}, "int4"),
+    ("qwen3_moe", {"data": 2, "expert": 4}, "int8"),  # quantized experts in the expert-parallel path
+])
+def test_a_model_quantized_while_loading_onto_a_mesh_equals_one_device(references, model_name, shape, quantize):
+    from eqx_models.quantization import QuantizedWeight, with_activations
+
+    folder, _ = references[model_name]
+    mesh = mesh_of(shape)
+    single = from_pretrained(folder, dtype=jnp.float32, quantize=quantize)
+    model = from_pretrained(folder, dtype=jnp.float32, quantize=quantize, mesh=mesh)
+    is_q = lambda n: isinstance(n, QuantizedWeight)
+    weights = [w for w in jax.tree.leaves(model, is_leaf=is_q) if is_q(w)]
+    assert len(weights) == len([w for w in jax.tree.leaves(single, is_leaf=is_q) if is_q(w)]) > 0
+    split = 0
+    for w in weights:
+        # Integers, scales (and biases) split alike, each device holding whole groups.
+        specs = {a.sharding.spec for a in jax.tree.leaves(w)}
+        assert len(specs) == 1, specs
+        packed, scales = w.packed.addressable_shards[0].data, w.scales.addressable_shards[0].data
+        assert packed.shape[:-1] == scales.shape[:-1]
+        assert packed.shape[-1] * 8 // w.bits == scales.shape[-1] * w.group_size
+        split += "tensor" in str(specs) or "expert" in str(specs)
+    assert split  # some really are split
+    ids, mask = prompts()
+    # With float activations both compute the dequantized weights' products.
+    got = np.asarray(with_activations(model, "float")(ids, attention_mask=mask)[0])
+    want = np.asarray(with_activations(single, "float")(ids, attention_mask=mask)[0])
+    assert np.max(np.abs(got - want)) < 1e-4
+    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[])
+    np.testing.assert_array_equal(tokens, generate(single, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[]))
+
+
 PUBLISHED = {"qwen3_30b_a3b": QWEN3_30B_A3B, "llama_3_1_70b": LLAMA_3_1_70B}
 
 
