@@ -13,7 +13,11 @@ minutes, never in CI):
 For each precision the two systems take turns, twice: ours decodes 32 tokens
 after a 128-token prompt (batch 1, median step) and prefills 512 tokens (best of
 three); llama-bench runs `-p 0 -n 32 -d 128` (32 tokens decoded after 128 in the
-cache) and `-p 512 -n 0`, both with 2 threads. int4 is compared with the GGUF
+cache) and `-p 512 -n 0`, both with 2 threads. For `--batch-precisions` (int8)
+both also decode 8 sequences at once: ours 8 rows after 128-token prompts,
+llama.cpp's `llama-batched-bench -npp 128 -ntg 32 -npl 8` (its S_TG). First, in
+fresh processes, the peak memory of `from_pretrained(..., quantize="int8")` and
+`"int4"` against the float32 file's bytes. int4 is compared with the GGUF
 where every matrix is Q4_0 (`llama-quantize --pure`), as ours quantizes the
 embedding table too. The floor is each model's bytes over the read bandwidth
 measured between the decode steps. `int8-gguf` / `int4-gguf` load the Q8_0 /
@@ -27,6 +31,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -60,8 +65,59 @@ def llama_bench(binary: Path, gguf: Path, threads: int, args: list[str]) -> floa
     return float(json.loads(out)[0]["avg_ts"])
 
 
-def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probes: dict) -> dict:
+def llama_batched(binary: Path, gguf: Path, threads: int, batch: int, prompt: int, new_tokens: int) -> float:
+    """Decode tokens per second over `batch` parallel sequences (llama-batched-bench's
+    S_TG: all sequences' generated tokens over the generation time)."""
+    command = [str(binary / "llama-batched-bench"), "-m", str(gguf), "-t", str(threads), "-npp", str(prompt),
+               "-ntg", str(new_tokens), "-npl", str(batch), "-c", str(batch * (prompt + new_tokens)),
+               "--output-format", "jsonl"]
+    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+    rows = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    return float(next(row for row in rows if row.get("pl") == batch)["speed_tg"])
+
+
+def ours_batched(model, batch: int, new_tokens: int) -> float:
+    """Our decode tokens per second (all rows) for `batch` rows after a 128-token prompt."""
+    prompt = np.random.default_rng(1).integers(0, 1000, (batch, 128), dtype=np.int32)
+    prefill, step, _ = prepare_ours(model, prompt, new_tokens)
+    prefill()
+    step()
+    times = []
+    for _ in range(new_tokens - 2):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return batch / float(np.median(times))
+
+
+# Runs in a child process: the growth of peak resident memory while loading with
+# quantize= (imports and the backend's start excluded).
+LOAD_MEMORY = r"""
+import json, sys
+import jax, jax.numpy as jnp, eqx_models
+jnp.zeros(1).block_until_ready()
+def status_bytes(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
+before = status_bytes("VmRSS")
+model = jax.block_until_ready(eqx_models.from_pretrained(sys.argv[1], quantize=sys.argv[2]))
+print(json.dumps({"peak_growth": status_bytes("VmHWM") - before}))
+"""
+
+
+def load_memory(checkpoint: Path, preset: str) -> dict:
+    """Peak memory of `from_pretrained(checkpoint, quantize=preset)` in a fresh process,
+    against the checkpoint's float32 weight bytes."""
+    out = subprocess.run([sys.executable, "-c", LOAD_MEMORY, str(checkpoint), preset], capture_output=True,
+                         text=True, check=True)
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["peak_growth"]
+    float_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    return {"peak_rss_growth_bytes": growth, "float32_file_bytes": float_bytes, "ratio": growth / float_bytes}
+
+
+def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probes: dict, batch: int = 0) -> dict:
     model = eqx_models.from_pretrained(source, **{k: v for k, v in options.items() if k not in ("gguf", "read_gguf")})
+    batched = ours_batched(model, batch, new_tokens) if batch > 1 else None
     prefill, step, figures = prepare_ours(model, prompt, new_tokens)
     prefill()
     step()
@@ -87,6 +143,8 @@ def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probe
         "floor_tokens_per_s": bandwidth * 1e9 / nbytes,
         "decode_temp_bytes": figures["decode_temp_bytes"],
     }
+    if batched is not None:
+        result[f"batch_{batch}_decode_tokens_per_s"] = batched
     del model, prefill, step
     gc.collect()
     return result
@@ -102,10 +160,15 @@ def main():
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=8, help="also decode this many rows (0: skip)")
+    parser.add_argument("--batch-precisions", nargs="+", default=["int8"])
     parser.add_argument("--output", type=Path, default=RESULTS / "quantized.json")
     args = parser.parse_args()
 
     prompt = np.random.default_rng(0).integers(0, 1000, (1, 128), dtype=np.int32)
+    memory = {preset: load_memory(args.checkpoint, preset) for preset in ("int8", "int4")}
+    print("quantize while loading, peak RSS growth / float32 bytes:",
+          {k: round(v["ratio"], 3) for k, v in memory.items()}, flush=True)
     probes = bandwidth_probes()
     runs = {p: {"eqx_models": [], "llama.cpp": []} for p in args.precisions}
     for _ in range(args.rounds):
@@ -113,13 +176,17 @@ def main():
             options = PRECISIONS[precision]
             gguf = args.gguf_dir / f"{args.prefix}{options['gguf']}.gguf"
             source = gguf if options.get("read_gguf") else args.checkpoint
-            runs[precision]["eqx_models"].append(ours(source, options, prompt, args.new_tokens, probes))
+            batch = args.batch if precision in args.batch_precisions else 0
+            runs[precision]["eqx_models"].append(ours(source, options, prompt, args.new_tokens, probes, batch))
             runs[precision]["llama.cpp"].append({
                 "gguf": gguf.name,
                 "decode_tokens_per_s": llama_bench(args.llama_bin, gguf, args.threads,
                                                    ["-p", "0", "-n", str(args.new_tokens), "-d", "128"]),
                 "prefill_512_tokens_per_s": llama_bench(args.llama_bin, gguf, args.threads, ["-p", "512", "-n", "0"]),
             })
+            if batch:
+                runs[precision]["llama.cpp"][-1][f"batch_{batch}_decode_tokens_per_s"] = llama_batched(
+                    args.llama_bin, gguf, args.threads, batch, 128, args.new_tokens)
             print(precision, runs[precision]["eqx_models"][-1]["decode_tokens_per_s"],
                   runs[precision]["llama.cpp"][-1]["decode_tokens_per_s"], flush=True)
 
@@ -137,6 +204,12 @@ def main():
             "eqx_models_prefill_512_tokens_per_s": best(both["eqx_models"], "prefill_512_tokens_per_s"),
             "llama_cpp_prefill_512_tokens_per_s": best(both["llama.cpp"], "prefill_512_tokens_per_s"),
         }
+        key = f"batch_{args.batch}_decode_tokens_per_s"
+        if precision in args.batch_precisions and args.batch > 1:
+            summary[precision][f"eqx_models_{key}"] = best(both["eqx_models"], key)
+            summary[precision][f"llama_cpp_{key}"] = best(both["llama.cpp"], key)
+            summary[precision][f"batch_{args.batch}_decode_ratio"] = (
+                summary[precision][f"eqx_models_{key}"] / summary[precision][f"llama_cpp_{key}"])
     version = subprocess.run([str(args.llama_bin / "llama-bench"), "--version"], capture_output=True, text=True)
     out = {
         "benchmark": "quantized",
@@ -147,6 +220,7 @@ def main():
                         jax=jax.__version__, eqx_models=eqx_models.__version__,
                         llama_cpp=(version.stdout + version.stderr).strip()),
         "summary": summary,
+        "quantize_while_loading_memory": memory,
         "runs": runs,
     }
     RESULTS.mkdir(exist_ok=True)

@@ -255,7 +255,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="KV page dtype (default: the weights'); int8 fits about twice bfloat16's tokens.")
     serve.add_argument("--quantize", choices=list(PRESETS), default=None,
                        help="Quantize the weights while loading: int8/int4 in groups of 32 (llama.cpp's Q8_0/Q4_0 "
-                          "shape), int4-affine in groups of 64 with a scale and a bias each (mlx-lm's).")
+                            "shape), int4-affine in groups of 64 with a scale and a bias each (mlx-lm's).")
     serve.add_argument("--seed", type=int, default=0, help="Seeds requests that bring no seed.")
     serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")

@@ -577,16 +577,18 @@ def test_qlora_trains_adapters_on_the_frozen_packed_base_and_compiles_once(float
     assert arrays_equal(eqx_models.from_pretrained(tmp_path), merged)
 
 
-def test_the_cli_generates_from_a_model_quantized_while_loading(capsys):
+@pytest.mark.parametrize("preset, options", [("int8", dict(bits=8)),
+                                             ("int4-affine", dict(bits=4, group_size=64, mode="affine"))])
+def test_the_cli_generates_from_a_model_quantized_while_loading(capsys, preset, options):
     from conftest import STORIES, require_fixture
 
     from eqx_models.cli import main
 
     path = require_fixture(STORIES)
     assert main(["generate", str(path), "--prompt", "Once upon a time", "--max-new-tokens", "12", "--quantize",
-                 "int8"]) == 0
+                 preset]) == 0
     text = capsys.readouterr().out
-    model = quantize(eqx_models.from_pretrained(path), bits=8, keep_indivisible=True)
+    model = quantize(eqx_models.from_pretrained(path), keep_indivisible=True, **options)
     tokenizer = eqx_models.load_tokenizer(path)
     ids = tokenizer.encode("Once upon a time")
     expected = tokenizer.decode(eqx_models.generate(model, ids, max_new_tokens=12)[0].tolist())
