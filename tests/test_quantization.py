@@ -190,6 +190,19 @@ def test_quantized_matvec_with_an_odd_number_of_blocks(kind, in_features):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("in_features, group_size", [(1152, 32), (1184, 32), (1152, 64), (1152, 128)])
+@pytest.mark.parametrize("rows", [1, 2, 3])
+def test_quantized_matvec_over_wide_rows(kind, in_features, group_size, rows):
+    """Rows long enough for the kernel's unrolled steps, the steps left over and a
+    last odd block (1184 = 37 blocks of 32)."""
+    bits, mode = FORMATS[kind]
+    stack = quantize_weight(heavy_tailed((2, 13, in_features), seed=rows), bits, group_size, mode=mode)
+    x = jax.random.normal(jax.random.key(rows), (rows, in_features))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
+    close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
 def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(kind):
     bits, mode = FORMATS[kind]
     stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16, mode=mode)
