@@ -103,6 +103,19 @@ def quantized_table(quantized: dict) -> str:
             f"({gguf}) | {entry['decode_ratio']:.2f}x | {entry['eqx_models_fraction_of_floor']:.2f} | "
             f"{entry['eqx_models_prefill_512_tokens_per_s']:.0f} | {entry['llama_cpp_prefill_512_tokens_per_s']:.0f} |"
         )
+    batched = [(width, entry, key[len("eqx_models_"):]) for width, entry in quantized["summary"].items()
+               for key in entry if key.startswith("eqx_models_batch_")]
+    if batched:
+        rows += ["", "| width | rows | eqx_models decode tok/s (all rows) | llama.cpp (llama-batched-bench) | ratio |",
+                 "|---|---|---|---|---|"]
+        for width, entry, key in batched:
+            rows.append(f"| {width} | {key.split('_')[1]} | {entry['eqx_models_' + key]:.1f} | "
+                        f"{entry['llama_cpp_' + key]:.1f} | {entry['eqx_models_' + key] / entry['llama_cpp_' + key]:.2f}x |")
+    memory = quantized.get("quantize_while_loading_memory")
+    if memory:
+        rows += ["", "| from_pretrained(quantize=) | peak RSS growth | of the float32 file |", "|---|---|---|"]
+        rows += [f"| {preset} | {m['peak_rss_growth_bytes'] / 2**30:.2f} GiB | {m['ratio']:.2f}x |"
+                 for preset, m in memory.items()]
     return "\n".join(rows)
 
 
@@ -112,8 +125,8 @@ def plot_quantized(quantized: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    widths = list(quantized["summary"])
     bits = {"float32": 32, "bfloat16": 16, "int8": 8, "int4": 4}
+    widths = [w for w in quantized["summary"] if w in bits]
     fig, ax = plt.subplots(figsize=(5, 4))
     for system, key in (("eqx_models", "eqx_models_decode_tokens_per_s"), ("llama.cpp", "llama_cpp_decode_tokens_per_s")):
         ax.plot([bits[w] for w in widths], [quantized["summary"][w][key] for w in widths], "o-", label=system)
