@@ -10,6 +10,16 @@ minutes, never in CI):
     python benchmarks/quantized.py --checkpoint <checkpoint> --llama-bin <work>/llama.cpp/build/bin \\
         --gguf-dir <work>/gguf
 
+On a CPU with AMX, llama.cpp's native build may crash in its AMX matmul on quantized
+prompts (seen on a 2-core Xeon VM: SIGSEGV in `ggml_backend_amx_mul_mat`); build a
+second tree without it and point `--llama-bin` there:
+
+    cmake -B build-noamx -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+        -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
+        -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON -DGGML_AMX_TILE=OFF \
+        -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DCMAKE_BUILD_TYPE=Release
+    cmake --build build-noamx -j2 --target llama-bench llama-batched-bench
+
 For each precision the two systems take turns, twice: ours decodes 32 tokens
 after a 128-token prompt (batch 1, median step) and prefills 512 tokens (best of
 three); llama-bench runs `-p 0 -n 32 -d 128` (32 tokens decoded after 128 in the
