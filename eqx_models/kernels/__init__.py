@@ -597,7 +597,7 @@ def _quantized_matvecs_jvp(primals, tangents):
         # Linear in the scales and biases: the integers over the scales' tangent plus the biases'.
         packed, scales_dot = _layer_of(stack.packed, layer), _layer_of(stack_dot.scales, layer)
         weight_dot = dequantize(packed, scales_dot, stack.bits, stack.group_size,
-                                biases=_layer_of(getattr(stack_dot, "biases", None), layer))
+                                biases=_layer_of(stack_dot.biases, layer))
         outs_dot.append(
             jnp.einsum("...i,oi->...o", x_dot, _quantized_slice(stack, layer))
             + jnp.einsum("...i,oi->...o", x_seen, weight_dot)

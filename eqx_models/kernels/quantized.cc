@@ -76,14 +76,9 @@ struct Weights {
   float* out;               // [rows, N]
   int64_t N, first_chunk, chunk;
 
-  float scale(int64_t n, int64_t g, int64_t groups) const {
-    const uint16_t s = scales[n * groups + g];
-    return half ? half_to_float(s) : to_float(s);
-  }
-  float bias(int64_t n, int64_t g, int64_t groups) const {
-    const uint16_t s = biases[n * groups + g];
-    return half ? half_to_float(s) : to_float(s);
-  }
+  float scale(int64_t n, int64_t g, int64_t groups) const { return widened(scales[n * groups + g]); }
+  float bias(int64_t n, int64_t g, int64_t groups) const { return widened(biases[n * groups + g]); }
+  float widened(uint16_t value) const { return half ? half_to_float(value) : to_float(value); }
 };
 
 // Per activation row, the sum of each group's inputs (what an affine weight's
@@ -415,12 +410,6 @@ AVX512_VNNI inline __m256i weight_block(const uint8_t* row, int64_t g, int64_t i
   }
 }
 
-// One weight row against B rows of quantized activations: per block `vpdpbusd`
-// sums 32 products into 8 integer lanes, which one multiply-add scales by dw * dx
-// into the row's float sums; U blocks at a time keep independent sums in flight.
-// The weights' offset comes off at the end through `offset_sum`. One row at a time
-// streams each row's bytes in order, which the hardware prefetchers follow (eight
-// interleaved rows, as the float tiles take them, ran at a third of the speed).
 // `count` 16-bit floats (float16 if `half`, else bfloat16) as float32.
 AVX512_VNNI inline void widen(const uint16_t* from, bool half, int64_t count, float* to) {
   int64_t g = 0;
@@ -490,6 +479,13 @@ AVX512_VNNI inline void pair_step(const uint8_t* row, const int8_t* xq, const fl
   }
 }
 
+// One weight row against B rows of quantized activations: `vpdpbusd` sums the
+// products of two blocks (quad_step: four int4 groups of 32) into integer lanes,
+// which one multiply-add scales by each block's dw * dx into the row's float sums;
+// U steps at a time keep independent sums in flight. The weights' offset (or the
+// affine biases) comes in at the end through `offset_sum`. One row at a time
+// streams each row's bytes in order, which the hardware prefetchers follow (eight
+// interleaved rows, as the float tiles take them, ran at a third of the speed).
 template <int Bits, int B>
 AVX512_VNNI void row_vnni(const Weights& w, const QuantizedActivations& a, int64_t b0, int64_t n, int64_t group,
                           float* scratch) {
