@@ -203,6 +203,21 @@ def test_quantized_matvec_over_wide_rows(kind, in_features, group_size, rows):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("in_features, group_size", [(1184, 32), (1152, 64), (1152, 128), (64, 64)])
+@pytest.mark.parametrize("rows", [6, 7, 15, 100])
+def test_quantized_matvec_over_many_rows(kind, in_features, group_size, rows):
+    """Batches and prompts: with AVX-512 VNNI whole tiles of 16 weight rows meet
+    up to 8 activation rows at a time (37 rows: two tiles and 5 rows left over;
+    1184 inputs: a last lone int4 group of 32; 64 in groups of 64: one group)."""
+    bits, mode = FORMATS[kind]
+    stack = quantize_weight(heavy_tailed((2, 37, in_features), seed=rows) + (0.02 if mode == "affine" else 0), bits,
+                            group_size, mode=mode)
+    x = jax.random.normal(jax.random.key(rows), (rows, in_features))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
+    close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
+
+
+@pytest.mark.parametrize("kind", FORMATS)
 def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(kind):
     bits, mode = FORMATS[kind]
     stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16, mode=mode)
@@ -258,10 +273,12 @@ def test_affine_quantized_matvec_differentiates_in_the_scales_and_biases():
         np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-3 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("path", ["EQX_MODELS_KERNELS_PORTABLE", "EQX_MODELS_KERNELS_AVX2"])
-def test_portable_and_avx2_quantized_loops_equal_the_float64_product(path):
-    """The paths a CPU without AVX-512 takes, forced on this one (in a fresh process:
-    the kernel library picks its path once)."""
+@pytest.mark.parametrize("path", ["EQX_MODELS_KERNELS_PORTABLE", "EQX_MODELS_KERNELS_AVX2",
+                                  "EQX_MODELS_QUANTIZED_TILES_FROM"])
+def test_portable_avx2_and_tile_paths_equal_the_float64_product(path):
+    """The paths a CPU without AVX-512 takes, forced on this one, and (with AVX-512
+    VNNI) the tiles from a single activation row on (in a fresh process: the kernel
+    library picks its path once)."""
     script = """
 import jax, jax.numpy as jnp, numpy as np
 from eqx_models.kernels import kernels_status, quantized_matvecs

@@ -19,7 +19,8 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `headwise_matvec(...)`: per-head products with a layer's rows of a stacked
   weight (Multi-head Latent Attention's absorbed expansions at decode).
 - `quantized_matvecs(x, stacks, layer)`: `stacked_matvecs` for group-quantized
-  int8 / int4 weights, widened in registers (no float copy of any weight).
+  int8 / int4 weights, widened in registers (no float copy of any weight); with
+  AVX-512 VNNI (`quantized_tiles_available()`) also the product for a prompt's rows.
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
@@ -120,7 +121,11 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(DELTA_RULE_TARGET, jax.ffi.pycapsule(library.EqxDeltaRuleStep), platform="cpu")
     jax.ffi.register_ffi_target(HEADWISE_TARGET, jax.ffi.pycapsule(library.EqxHeadwiseMatvec), platform="cpu")
     jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
+    _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
     return None
+
+
+_features: dict[str, bool] = {}
 
 
 def kernels_status() -> str:
@@ -134,6 +139,13 @@ def kernels_available() -> bool:
     model being traced sits on one device (the kernels are single-device; on a mesh
     XLA's own operations run and the SPMD partitioner splits them)."""
     return _load() is None and not spans_devices()
+
+
+def quantized_tiles_available() -> bool:
+    """Whether `quantized_matvecs` multiplies many rows (a prompt) faster than
+    XLA's dot of the dequantized weight: kernels available and a CPU with AVX-512
+    VNNI, where 16 weight rows at a time meet the rows in integer products."""
+    return kernels_available() and _features.get("quantized_tiles", False)
 
 
 def _dispatch(kernel, reference, *args):

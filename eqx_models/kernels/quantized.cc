@@ -26,6 +26,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <vector>
@@ -132,6 +133,9 @@ struct QuantizedActivations {
   std::vector<int8_t> q;          // [rows, K]
   std::vector<float> scale;       // [rows, K / 32]
   std::vector<float> offset_sum;  // [rows, K / group]
+  // Per block, minus the offset times the block's integer sum: where the tiles
+  // (tile_vnni) start each block's integer sum, so it comes out free of the offset.
+  std::vector<int32_t> start;     // [rows, K / 32]
   // int4 in groups of 32: each run of four blocks again, as the four blocks' first
   // halves then their second halves: the order in which one 64-byte load of four
   // groups unpacks (see row_vnni). Whole runs of four only; the rest is in `q`.
@@ -139,7 +143,8 @@ struct QuantizedActivations {
   int64_t rows, K;
 
   QuantizedActivations(const float* x, int64_t rows, int64_t K, int64_t group, int offset)
-      : q(rows * K), scale(rows * (K / kBlock)), offset_sum(rows * (K / group), 0.0f), rows(rows), K(K) {
+      : q(rows * K), scale(rows * (K / kBlock)), offset_sum(rows * (K / group), 0.0f), start(rows * (K / kBlock)),
+        rows(rows), K(K) {
     for (int64_t b = 0; b < rows; ++b)
       for (int64_t j = 0; j < K / kBlock; ++j) {
         const float* xs = x + b * K + j * kBlock;
@@ -149,6 +154,7 @@ struct QuantizedActivations {
         const int32_t sum = round_block(xs, inverse, out);
         const float dx = amax / 127.0f;
         scale[b * (K / kBlock) + j] = dx;
+        start[b * (K / kBlock) + j] = offset == 1 ? 0 : -offset * sum;  // affine nibbles carry no offset
         offset_sum[b * (K / group) + j * kBlock / group] += static_cast<float>(offset) * dx * static_cast<float>(sum);
       }
     if (offset != 128 && group == kBlock && K >= 4 * kBlock) {
@@ -577,8 +583,244 @@ AVX512_VNNI void rows_vnni_fixed(const Weights& w, const QuantizedActivations& a
   for (int64_t n = n0; n < n1; ++n) row_vnni<Bits, B>(w, a, b0, n, group, scratch);
 }
 
+// Sixteen weight rows at a time against several activation rows (batched decode,
+// prompts). row_vnni scales each block's partial sums lane by lane, so every
+// product costs two more vector operations of scaling, which bound it once there
+// are a few activation rows to share each weight load. Here a tile's integers are
+// first transposed: one 512-bit vector holds four consecutive inputs of each of
+// the 16 rows, a product with those four inputs of an activation row (broadcast)
+// sums into the rows' 16 lanes, and a block's eight products leave one vector of
+// 16 integer sums that one multiply-add scales. Each block's sum starts at minus
+// the weights' offset times the activations' block sum, so it ends exact.
+constexpr int64_t kTile = 16;
+
+// Rows a[r] of eight 32-bit words as eight vectors, out[d] holding word d of
+// every row in lanes 0..15: 4x4 interleaves within 128-bit lanes, then the lanes
+// gathered in row order.
+AVX512_VNNI inline void transpose_16x8(const __m256i (&a)[16], __m512i (&out)[8]) {
+  __m512i z[8], t[8], u[8];
+  for (int r = 0; r < 4; ++r) {  // lanes of z[r]: row r (words 0-3, 4-7), then row r + 4
+    z[r] = _mm512_inserti64x4(_mm512_castsi256_si512(a[r]), a[r + 4], 1);
+    z[4 + r] = _mm512_inserti64x4(_mm512_castsi256_si512(a[8 + r]), a[12 + r], 1);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    t[h] = _mm512_unpacklo_epi32(z[h], z[h + 1]);
+    t[h + 1] = _mm512_unpackhi_epi32(z[h], z[h + 1]);
+    t[h + 2] = _mm512_unpacklo_epi32(z[h + 2], z[h + 3]);
+    t[h + 3] = _mm512_unpackhi_epi32(z[h + 2], z[h + 3]);
+    u[h] = _mm512_unpacklo_epi64(t[h], t[h + 2]);          // word 0 (and 4) of four rows
+    u[h + 1] = _mm512_unpackhi_epi64(t[h], t[h + 2]);      // word 1 (5)
+    u[h + 2] = _mm512_unpacklo_epi64(t[h + 1], t[h + 3]);  // word 2 (6)
+    u[h + 3] = _mm512_unpackhi_epi64(t[h + 1], t[h + 3]);  // word 3 (7)
+  }
+  for (int d = 0; d < 4; ++d) {
+    out[d] = _mm512_shuffle_i32x4(u[d], u[4 + d], _MM_SHUFFLE(2, 0, 2, 0));
+    out[d + 4] = _mm512_shuffle_i32x4(u[d], u[4 + d], _MM_SHUFFLE(3, 1, 3, 1));
+  }
+}
+
+// The blocks a chunk of a tile's bytes holds: int8, chunk c is block c; int4,
+// chunk c is 32 bytes of each row, two blocks: in groups of 32 two whole groups
+// (16 bytes each, low nibbles the first half, high ones the second), in larger
+// groups one block's low nibbles and another's high ones. A last lone group of
+// 32 is a chunk of 16 bytes, one block.
+template <int Bits>
+inline int chunk_blocks(int64_t c, int64_t blocks, int64_t group, int64_t (&filled)[2]) {
+  if constexpr (Bits == 8) {
+    filled[0] = c;
+    return 1;
+  } else {
+    if (group == kBlock) {
+      filled[0] = 2 * c;
+      filled[1] = 2 * c + 1;
+      return 2 * c + 1 < blocks ? 2 : 1;
+    }
+    const int64_t half = group / 2, per_group = group / kBlock;
+    const int64_t g = 32 * c / half, within = 32 * c - g * half;  // bytes into the group
+    filled[0] = g * per_group + within / kBlock;
+    filled[1] = g * per_group + (half + within) / kBlock;
+    return 2;
+  }
+}
+
+template <int Bits>
+constexpr int64_t chunk_count(int64_t blocks) { return Bits == 8 ? blocks : (blocks + 1) / 2; }
+
+// Chunk c of a tile's 16 rows rearranged for the products: per block of 32 inputs
+// eight vectors, vector q holding inputs 4q..4q+3 of the 16 rows as unsigned bytes
+// (int8: q + 128; int4: the nibble), stored at `packed + 8 * block`.
+template <int Bits>
+AVX512_VNNI inline void pack_chunk(const uint8_t* rows, int64_t row_bytes, int64_t blocks, int64_t group, int64_t c,
+                                   __m512i* packed) {
+  __m256i a[16];
+  __m512i t[8];
+  int64_t filled[2];
+  const int count = chunk_blocks<Bits>(c, blocks, group, filled);
+  if constexpr (Bits == 8) {
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int r = 0; r < 16; ++r)
+      a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + c * kBlock));
+    transpose_16x8(a, t);
+    for (int q = 0; q < 8; ++q) _mm512_store_si512(packed + 8 * c + q, _mm512_xor_si512(t[q], offset));
+  } else {
+    const __m512i nibbles = _mm512_set1_epi8(0x0F);
+    const bool lone = group == kBlock && count == 1;
+    for (int r = 0; r < 16; ++r) {
+      const uint8_t* from = rows + r * row_bytes + c * 32;
+      a[r] = lone ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)))
+                  : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
+    }
+    transpose_16x8(a, t);
+    __m512i low[8], high[8];
+    for (int q = 0; q < 8; ++q) {
+      low[q] = _mm512_and_si512(t[q], nibbles);
+      high[q] = _mm512_and_si512(_mm512_srli_epi16(t[q], 4), nibbles);
+    }
+    __m512i* first = packed + 8 * filled[0];
+    __m512i* second = packed + 8 * filled[1];
+    if (group == kBlock) {  // words 0-3 the first group, 4-7 the second
+      for (int q = 0; q < 4; ++q) {
+        _mm512_store_si512(first + q, low[q]);
+        _mm512_store_si512(first + 4 + q, high[q]);
+        if (!lone) {
+          _mm512_store_si512(second + q, low[4 + q]);
+          _mm512_store_si512(second + 4 + q, high[4 + q]);
+        }
+      }
+    } else {
+      for (int q = 0; q < 8; ++q) {
+        _mm512_store_si512(first + q, low[q]);
+        _mm512_store_si512(second + q, high[q]);
+      }
+    }
+  }
+}
+
+inline int32_t word_at(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return word;
+}
+
+// Block j of a packed tile against B activation rows from b0, into acc.
+template <int B>
+AVX512_VNNI inline void block_products(const __m512i* packed, const float* dw, const QuantizedActivations& a,
+                                       int64_t b0, int64_t j, __m512 (&acc)[B]) {
+  const int64_t K = a.K, blocks = K / kBlock;
+  const __m512i* wv = packed + 8 * j;
+  const __m512 scale = _mm512_loadu_ps(dw + kTile * j);
+  for (int b = 0; b < B; ++b) {
+    const int64_t at = (b0 + b) * blocks + j;
+    const int8_t* x = a.q.data() + (b0 + b) * K + j * kBlock;
+    __m512i sums = _mm512_set1_epi32(a.start[at]);
+    for (int q = 0; q < 8; ++q) sums = _mm512_dpbusd_epi32(sums, wv[q], _mm512_set1_epi32(word_at(x + 4 * q)));
+    acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a.scale[at])), scale, acc[b]);
+  }
+}
+
+// A tile against B activation rows from b0: out[b, 0..15] for its 16 weight
+// rows. With `rows` (the tile's first row of integers) each chunk is packed into
+// `packed` just before its products, so that the shuffles of the packing and
+// the products share the cores' ports; without, `packed` is read as packed by an
+// earlier call. `dw`: per block the 16 rows' scales; `bias` (affine): per group
+// the 16 rows' biases, which multiply the group's input sums. `next` (or null):
+// the next tile's integers, fetched into the cache chunk by chunk meanwhile
+// (sixteen rows read side by side defeat the hardware prefetchers: the packing
+// alone ran at a third of the read bandwidth).
+template <int Bits, int B>
+AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* packed, const float* dw, const float* bias,
+                           const QuantizedActivations& a, int64_t b0, int64_t group, float* out, int64_t N,
+                           const uint8_t* next, int64_t row_bytes) {
+  const int64_t K = a.K, blocks = K / kBlock, groups = K / group, chunk_bytes = Bits == 8 ? kBlock : 32;
+  __m512 acc[B];
+  for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < chunk_count<Bits>(blocks); ++c) {
+    if (next && (c * chunk_bytes) % 64 == 0)
+      for (int r = 0; r < 16; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + c * chunk_bytes), _MM_HINT_T0);
+    if (rows) pack_chunk<Bits>(rows, row_bytes, blocks, group, c, packed);
+    int64_t filled[2];
+    const int count = chunk_blocks<Bits>(c, blocks, group, filled);
+    for (int i = 0; i < count; ++i) block_products<B>(packed, dw, a, b0, filled[i], acc);
+  }
+  if (bias)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int b = 0; b < B; ++b)
+        acc[b] = _mm512_fmadd_ps(_mm512_loadu_ps(bias + kTile * g),
+                                 _mm512_set1_ps(a.offset_sum[(b0 + b) * groups + g]), acc[b]);
+  for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + (b0 + b) * N, acc[b]);
+}
+
+// Column g of 16 rows of 16-bit floats (`values[r * groups + g]`) as float32: one
+// gather of 32-bit words, each holding the value and its neighbour (the word
+// starts one value early for the last column, so no read passes the rows' end).
+AVX512_VNNI inline __m512 tile_column(const uint16_t* values, int64_t groups, int64_t g, bool half) {
+  if (groups == 1) {
+    alignas(64) float column[kTile];
+    for (int r = 0; r < kTile; ++r) column[r] = half ? _cvtsh_ss(values[r]) : to_float(values[r]);
+    return _mm512_load_ps(column);
+  }
+  const bool last = g == groups - 1;
+  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                           _mm512_set1_epi32(static_cast<int32_t>(groups)));
+  __m512i words = _mm512_i32gather_epi32(index, values + g - (last ? 1 : 0), 2);
+  if (last) words = _mm512_srli_epi32(words, 16);
+  const __m512i bits = _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
+  if (half) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));  // bfloat16: the high half of a float32
+}
+
+// Whole tiles of rows [n0, n1) against every activation row; returns the first
+// row left over (fewer than 16).
+template <int Bits>
+AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1,
+                               int64_t group) {
+  const int64_t K = a.K, blocks = K / kBlock, groups = K / group, per_group = group / kBlock;
+  const int64_t row_bytes = K * Bits / 8;
+  std::vector<uint8_t> storage(64 * (8 * blocks + 1));  // 64-byte aligned vectors within
+  __m512i* packed = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  std::vector<float> dw(kTile * blocks), bias(w.biases ? kTile * groups : 0);
+  int64_t n = n0;
+  for (; n + kTile <= n1; n += kTile) {
+    for (int64_t g = 0; g < groups; ++g) {
+      const __m512 scale = tile_column(w.scales + n * groups, groups, g, w.half);
+      for (int64_t i = 0; i < per_group; ++i) _mm512_storeu_ps(dw.data() + kTile * (g * per_group + i), scale);
+      if (w.biases) _mm512_storeu_ps(bias.data() + kTile * g, tile_column(w.biases + n * groups, groups, g, w.half));
+    }
+    const float* biases = w.biases ? bias.data() : nullptr;
+    float* out = w.out + n;
+    for (int64_t b0 = 0; b0 < a.rows; b0 += 8) {
+      const uint8_t* rows = b0 == 0 ? w.packed + n * row_bytes : nullptr;  // packed on the first pass
+      const uint8_t* next = b0 == 0 && n + 2 * kTile <= n1 ? w.packed + (n + kTile) * row_bytes : nullptr;
+      switch (a.rows - b0 < 8 ? a.rows - b0 : 8) {
+#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, dw.data(), biases, a, b0, group, out, w.N, next, row_bytes)
+        case 1: EQX_TILE(1); break;
+        case 2: EQX_TILE(2); break;
+        case 3: EQX_TILE(3); break;
+        case 4: EQX_TILE(4); break;
+        case 5: EQX_TILE(5); break;
+        case 6: EQX_TILE(6); break;
+        case 7: EQX_TILE(7); break;
+        default: EQX_TILE(8); break;
+#undef EQX_TILE
+      }
+    }
+  }
+  return n;
+}
+
+// From this many activation rows on, whole tiles go through tiles_vnni: measured
+// on the Qwen3-0.6B shapes (2 cores, AVX-512 VNNI), symmetric weights gain from
+// 4 rows, affine ones (whose row path is slower) from 2.
+// EQX_MODELS_QUANTIZED_TILES_FROM moves the switch, for tests and measurements.
+int64_t tile_rows_from(bool affine) {
+  static const char* forced = std::getenv("EQX_MODELS_QUANTIZED_TILES_FROM");
+  return forced ? std::atoll(forced) : affine ? 2 : 4;
+}
+
 template <int Bits>
 AVX512_VNNI void rows_vnni(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int64_t group) {
+  if (a.rows >= tile_rows_from(w.biases != nullptr)) n0 = tiles_vnni<Bits>(w, a, n0, n1, group);
   std::vector<float> scratch(2 * (a.K / group) + 8 * (a.K / kBlock));
   for (int64_t b0 = 0; b0 < a.rows; b0 += 8) {
     float* s = scratch.data();
@@ -726,9 +968,10 @@ void rows_any(const Weights& w, const float* x, const float* x_sums, int64_t row
 // About 256K weights per chunk (what matvec.cc's 1 MiB holds in float32): these
 // loops are bound by arithmetic per weight more than by bytes, and fewer, larger
 // chunks left a core idle (3 chunks of a 3072 x 1024 int8 weight on two cores).
+// Whole tiles of 16 rows (see tiles_vnni).
 int64_t chunk_rows(int64_t K) {
-  const int64_t rows = (256 * 1024) / (K > 0 ? K : 1);
-  return rows < 8 ? 8 : rows;
+  const int64_t rows = (256 * 1024) / (K > 0 ? K : 1) / 16 * 16;
+  return rows < 16 ? 16 : rows;
 }
 
 ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs stacks,
@@ -796,6 +1039,10 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
 }
 
 }  // namespace
+
+// Whether this CPU runs the tiles (AVX-512 VNNI): then many activation rows, a
+// prompt's, are also faster here than through a dequantized float matmul.
+extern "C" int EqxQuantizedTiles() { return kHasVnni ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxQuantizedMatvec, QuantizedMatvec,
                               ffi::Ffi::Bind()

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from ..kernels import kernels_available, quantized_matvecs, stacked_matvecs
+from ..kernels import kernels_available, quantized_matvecs, quantized_tiles_available, stacked_matvecs
 from ..quantization import QuantizedWeight
 from ..sharding import spans_devices
 
@@ -16,6 +16,8 @@ INIT_STD = 0.02  # transformers' default `initializer_range`
 # Up to this many rows (batch x seq) a product with a weight goes through the
 # matrix-vector kernel, which reads each weight once for all rows; beyond, XLA's
 # matmul reuses operands better and a slice copy is amortised over many rows.
+# Quantized weights with int8 activations on a CPU with AVX-512 VNNI go through
+# the kernel at any row count: its integer tiles outrun the float matmul.
 MAX_KERNEL_ROWS = 16
 
 
@@ -48,6 +50,8 @@ def use_matvec_kernel(x: Array, weight: Weight) -> bool:
     """Whether `x @ weight.T` should go through one of the decode kernels
     (`eqx_models.kernels.stacked_matvec`, or `quantized_matvecs`)."""
     dtype = weight.stack.dtype if isinstance(weight, LayerSlice) else weight.dtype
+    if is_quantized(weight) and _input_kind(weight) == "int8" and quantized_tiles_available():
+        return True
     return (
         math.prod(x.shape[:-1]) <= MAX_KERNEL_ROWS
         and (is_quantized(weight) or dtype in (jnp.float32, jnp.bfloat16))
