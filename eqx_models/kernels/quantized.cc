@@ -658,18 +658,17 @@ AVX512_VNNI inline void pack_chunk(const uint8_t* rows, int64_t row_bytes, int64
   const int count = chunk_blocks<Bits>(c, blocks, group, filled);
   if constexpr (Bits == 8) {
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int r = 0; r < 16; ++r)
-      a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows + r * row_bytes + c * kBlock));
+    const uint8_t* from = rows + c * kBlock;
+    for (int r = 0; r < 16; ++r, from += row_bytes) a[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
     transpose_16x8(a, t);
     for (int q = 0; q < 8; ++q) _mm512_store_si512(packed + 8 * c + q, _mm512_xor_si512(t[q], offset));
   } else {
     const __m512i nibbles = _mm512_set1_epi8(0x0F);
     const bool lone = group == kBlock && count == 1;
-    for (int r = 0; r < 16; ++r) {
-      const uint8_t* from = rows + r * row_bytes + c * 32;
+    const uint8_t* from = rows + c * 32;
+    for (int r = 0; r < 16; ++r, from += row_bytes)
       a[r] = lone ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)))
                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
-    }
     transpose_16x8(a, t);
     __m512i low[8], high[8];
     for (int q = 0; q < 8; ++q) {
@@ -723,21 +722,16 @@ AVX512_VNNI inline void block_products(const __m512i* packed, const float* dw, c
 // `packed` just before its products, so that the shuffles of the packing and
 // the products share the cores' ports; without, `packed` is read as packed by an
 // earlier call. `dw`: per block the 16 rows' scales; `bias` (affine): per group
-// the 16 rows' biases, which multiply the group's input sums. `next` (or null):
-// the next tile's integers, fetched into the cache chunk by chunk meanwhile
-// (sixteen rows read side by side defeat the hardware prefetchers: the packing
-// alone ran at a third of the read bandwidth).
+// the 16 rows' biases, which multiply the group's input sums. (Fetching the next
+// tile ahead in software made no measurable difference.)
 template <int Bits, int B>
 AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* packed, const float* dw, const float* bias,
                            const QuantizedActivations& a, int64_t b0, int64_t group, float* out, int64_t N,
-                           const uint8_t* next, int64_t row_bytes) {
-  const int64_t K = a.K, blocks = K / kBlock, groups = K / group, chunk_bytes = Bits == 8 ? kBlock : 32;
+                           int64_t row_bytes) {
+  const int64_t K = a.K, blocks = K / kBlock, groups = K / group;
   __m512 acc[B];
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunk_count<Bits>(blocks); ++c) {
-    if (next && (c * chunk_bytes) % 64 == 0)
-      for (int r = 0; r < 16; ++r)
-        _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes + c * chunk_bytes), _MM_HINT_T0);
     if (rows) pack_chunk<Bits>(rows, row_bytes, blocks, group, c, packed);
     int64_t filled[2];
     const int count = chunk_blocks<Bits>(c, blocks, group, filled);
@@ -751,23 +745,21 @@ AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* packed, const float* dw
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + (b0 + b) * N, acc[b]);
 }
 
-// Column g of 16 rows of 16-bit floats (`values[r * groups + g]`) as float32: one
-// gather of 32-bit words, each holding the value and its neighbour (the word
-// starts one value early for the last column, so no read passes the rows' end).
-AVX512_VNNI inline __m512 tile_column(const uint16_t* values, int64_t groups, int64_t g, bool half) {
-  if (groups == 1) {
-    alignas(64) float column[kTile];
-    for (int r = 0; r < kTile; ++r) column[r] = half ? _cvtsh_ss(values[r]) : to_float(values[r]);
-    return _mm512_load_ps(column);
+// The 16 rows' 16-bit floats (`values[r * groups + g]`) as float32 columns,
+// `columns[16 * g + r]`: each row widened into `table` ([16, padded], `padded` a
+// multiple of 8), then eight columns at a time transposed in registers. (A gather
+// per column was slower: gathers are microcoded where the CPU's data-sampling
+// mitigations are on.)
+AVX512_VNNI void tile_columns(const uint16_t* values, int64_t groups, bool half, float* table, int64_t padded,
+                              float* columns) {
+  for (int64_t r = 0; r < kTile; ++r) widen(values + r * groups, half, groups, table + r * padded);
+  __m256i a[16];
+  __m512i t[8];
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    for (int r = 0; r < 16; ++r) a[r] = _mm256_castps_si256(_mm256_loadu_ps(table + r * padded + g0));
+    transpose_16x8(a, t);
+    for (int64_t d = 0; d < 8 && g0 + d < groups; ++d) _mm512_storeu_ps(columns + kTile * (g0 + d), _mm512_castsi512_ps(t[d]));
   }
-  const bool last = g == groups - 1;
-  const __m512i index = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                           _mm512_set1_epi32(static_cast<int32_t>(groups)));
-  __m512i words = _mm512_i32gather_epi32(index, values + g - (last ? 1 : 0), 2);
-  if (last) words = _mm512_srli_epi32(words, 16);
-  const __m512i bits = _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF));
-  if (half) return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(bits));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));  // bfloat16: the high half of a float32
 }
 
 // Whole tiles of rows [n0, n1) against every activation row; returns the first
@@ -779,21 +771,22 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
   const int64_t row_bytes = K * Bits / 8;
   std::vector<uint8_t> storage(64 * (8 * blocks + 1));  // 64-byte aligned vectors within
   __m512i* packed = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-  std::vector<float> dw(kTile * blocks), bias(w.biases ? kTile * groups : 0);
+  const int64_t padded = (groups + 7) / 8 * 8;
+  std::vector<float> dw(kTile * blocks), bias(w.biases ? kTile * groups : 0), columns(kTile * groups);
+  std::vector<float> table(kTile * padded, 0.0f);
   int64_t n = n0;
   for (; n + kTile <= n1; n += kTile) {
-    for (int64_t g = 0; g < groups; ++g) {
-      const __m512 scale = tile_column(w.scales + n * groups, groups, g, w.half);
-      for (int64_t i = 0; i < per_group; ++i) _mm512_storeu_ps(dw.data() + kTile * (g * per_group + i), scale);
-      if (w.biases) _mm512_storeu_ps(bias.data() + kTile * g, tile_column(w.biases + n * groups, groups, g, w.half));
-    }
+    tile_columns(w.scales + n * groups, groups, w.half, table.data(), padded, columns.data());
+    for (int64_t g = 0; g < groups; ++g)
+      for (int64_t i = 0; i < per_group; ++i)
+        std::memcpy(dw.data() + kTile * (g * per_group + i), columns.data() + kTile * g, kTile * sizeof(float));
+    if (w.biases) tile_columns(w.biases + n * groups, groups, w.half, table.data(), padded, bias.data());
     const float* biases = w.biases ? bias.data() : nullptr;
     float* out = w.out + n;
     for (int64_t b0 = 0; b0 < a.rows; b0 += 8) {
       const uint8_t* rows = b0 == 0 ? w.packed + n * row_bytes : nullptr;  // packed on the first pass
-      const uint8_t* next = b0 == 0 && n + 2 * kTile <= n1 ? w.packed + (n + kTile) * row_bytes : nullptr;
       switch (a.rows - b0 < 8 ? a.rows - b0 : 8) {
-#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, dw.data(), biases, a, b0, group, out, w.N, next, row_bytes)
+#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, dw.data(), biases, a, b0, group, out, w.N, row_bytes)
         case 1: EQX_TILE(1); break;
         case 2: EQX_TILE(2); break;
         case 3: EQX_TILE(3); break;
