@@ -16,6 +16,7 @@ with Hugging Face's split-half rotation.
 
 import mmap
 import os
+import re
 import struct
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -69,7 +70,8 @@ def _gguf():
 
 def find_gguf(name_or_path: str | os.PathLike) -> Path | None:
     """The GGUF file `name_or_path` names: a `.gguf` file, or a folder without
-    `config.json` that holds exactly one. None when it names neither.
+    `config.json` that holds exactly one (or the parts of one split file: the
+    first). None when it names neither.
 
     Raises:
         FileNotFoundError: a folder with several GGUF files (which one is ambiguous).
@@ -80,6 +82,8 @@ def find_gguf(name_or_path: str | os.PathLike) -> Path | None:
     if not path.is_dir() or (path / "config.json").exists():
         return None
     files = sorted(path.glob("*.gguf"))
+    if len(files) > 1 and split_parts(files[0]) == files:  # the parts of one split file
+        return files[0]
     if len(files) > 1:
         raise FileNotFoundError(
             f"{path} holds several GGUF files ({', '.join(f.name for f in files)}); pass the one to load."
@@ -141,32 +145,93 @@ class _Header:
         return self.scalar(kind)
 
 
+# llama.cpp's split files (`llama-gguf-split`, `convert_hf_to_gguf.py --split-max-*`): the
+# metadata in the first, the tensors spread over all, named <prefix>-00001-of-00003.gguf.
+SPLIT_NAME = re.compile(r"^(?P<prefix>.+)-(?P<number>\d{5})-of-(?P<count>\d{5})\.gguf$")
+
+
+def split_parts(path: Path) -> list[Path] | None:
+    """Every part of the split GGUF file `path` belongs to (by its name), in order;
+    None for a name that is not a part's."""
+    match = SPLIT_NAME.match(path.name)
+    if match is None:
+        return None
+    count = int(match["count"])
+    return [path.with_name(f"{match['prefix']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+
+
 class GGUFFile:
-    """One GGUF file, memory-mapped: its metadata and tensors.
+    """One GGUF file, memory-mapped: its metadata and tensors. The first part of a
+    split file (`...-00001-of-0000N.gguf`) brings in the other parts beside it.
 
     Args:
         path: the `.gguf` file.
 
     Raises:
         CheckpointError: not a GGUF file, a big-endian one, or one that is
-            truncated or corrupt.
+            truncated or corrupt; a split file's later part, or one whose parts
+            are missing or disagree.
     """
 
     def __init__(self, path: str | os.PathLike):
         gguf = _gguf()
         self.path = Path(path)
+        self._maps: list[tuple[mmap.mmap, np.ndarray]] = []
+        self.metadata, self.tensors = self._open(self.path, gguf)
+        count, number = self.metadata.get("split.count", 1), self.metadata.get("split.no", 0)
+        if count > 1:
+            self._join_parts(gguf, count, number)
+        self.architecture = self.value("general.architecture")
+
+    def _open(self, path: Path, gguf) -> tuple[dict, dict]:
         try:
-            with open(self.path, "rb") as handle:
-                self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-            self.mapped = np.frombuffer(self._map, np.uint8)
-            self.metadata, self.tensors = self._read(self.mapped, gguf)
+            with open(path, "rb") as handle:
+                mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            mapped = np.frombuffer(mapping, np.uint8)
+            self._maps.append((mapping, mapped))
+            return self._read(mapped, gguf)
         except (ValueError, IndexError, KeyError, OverflowError, struct.error) as e:
-            size = self.path.stat().st_size
+            size = path.stat().st_size
             raise CheckpointError(
-                f"{self.path} ({size:,} bytes) is not a readable GGUF file: {e}. It may be truncated or corrupt "
+                f"{path} ({size:,} bytes) is not a readable GGUF file: {e}. It may be truncated or corrupt "
                 "(an interrupted download): fetch or convert it again."
             ) from e
-        self.architecture = self.value("general.architecture")
+
+    def _join_parts(self, gguf, count: int, number: int) -> None:
+        parts = split_parts(self.path)
+        if parts is None or len(parts) != count:
+            raise CheckpointError(
+                f"{self.path} is part {number + 1} of a GGUF split in {count} files, but its name does not follow "
+                "llama.cpp's <name>-00001-of-0000N.gguf pattern, so its other parts cannot be found: keep the "
+                "names llama-gguf-split gave them."
+            )
+        if number != 0:
+            raise CheckpointError(
+                f"{self.path} is part {number + 1} of {count} of a split GGUF file; pass the first part, {parts[0]}."
+            )
+        missing = [part.name for part in parts[1:] if not part.exists()]
+        if missing:
+            raise CheckpointError(
+                f"{self.path} is the first of {count} parts of a split GGUF file, and {', '.join(missing)} "
+                f"{'is' if len(missing) == 1 else 'are'} not beside it: download or copy every part."
+            )
+        for index, part in enumerate(parts[1:], 1):
+            metadata, tensors = self._open(part, gguf)
+            if (metadata.get("split.no"), metadata.get("split.count")) != (index, count):
+                raise CheckpointError(
+                    f"{part} says it is part {metadata.get('split.no', 0) + 1} of {metadata.get('split.count', 1)}, "
+                    f"not part {index + 1} of {count} as its name does: the parts come from different splits."
+                )
+            twice = sorted(tensors.keys() & self.tensors.keys())
+            if twice:
+                raise CheckpointError(f"{part} repeats tensors of an earlier part: {twice[:5]}.")
+            self.tensors.update(tensors)
+        expected = self.metadata.get("split.tensors.count")
+        if expected is not None and expected != len(self.tensors):
+            raise CheckpointError(
+                f"{self.path}: the {count} parts hold {len(self.tensors)} tensors, but the first says "
+                f"{expected}: a part is from another split."
+            )
 
     def _read(self, mapped: np.ndarray, gguf) -> tuple[dict, dict]:
         header = _Header(mapped)
@@ -212,11 +277,14 @@ class GGUFFile:
         whole file beside the model."""
         for name in names:
             data = self.tensors[name].data
-            begin = data.ctypes.data - self.mapped.ctypes.data
-            first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
-            last = (begin + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if last > first:
-                self._map.madvise(mmap.MADV_DONTNEED, first, last - first)
+            for mapping, mapped in self._maps:  # the part holding it
+                begin = data.ctypes.data - mapped.ctypes.data
+                if 0 <= begin < len(mapped):
+                    first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+                    last = (begin + data.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+                    if last > first:
+                        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
+                    break
 
     def value(self, key: str, default: Any = None) -> Any:
         """The metadata value under `key` (strings decoded, arrays as lists)."""

@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .config import load_json
-from .gguf_file import find_gguf, load_gguf
+from .gguf_file import find_gguf, load_gguf, split_parts
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
 from .quantization import QuantizationSpec, quantize_weight, spec_for, spec_from_hf, spec_of
@@ -77,6 +77,22 @@ def resolve_model_dir(name_or_path: str | os.PathLike, *, revision: str | None =
             f"({type(e).__name__}: {e}). Pass an existing folder, or download the repo "
             "first with network access."
         ) from e
+
+
+def _gguf_in(name_or_path: str | os.PathLike, gguf_file: str, revision: str | None) -> Path:
+    """The GGUF file `gguf_file` of a hub repo or local folder, fetched with the
+    other parts of its split if it has them."""
+    parts = split_parts(Path(gguf_file))
+    patterns = [gguf_file] if parts is None else [str(part) for part in parts]
+    folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=patterns)
+    path = folder / gguf_file
+    if not path.is_file():
+        listing = sorted(str(f.relative_to(folder)) for f in folder.rglob("*.gguf"))
+        raise FileNotFoundError(
+            f"{name_or_path!r} has no GGUF file {gguf_file!r}"
+            + (f"; its GGUF files: {', '.join(listing)}." if listing else ".")
+        )
+    return path
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
@@ -181,6 +197,7 @@ def from_pretrained(
     sharding: "str | ShardingRules | Mapping | None" = None,
     map_weights: bool = True,
     quantize: "str | Mapping | QuantizationSpec | None" = None,
+    gguf_file: str | None = None,
 ) -> CausalLM:
     """Loads a Hugging Face checkpoint into a stacked `CausalLM`.
 
@@ -212,6 +229,9 @@ def from_pretrained(
             is never held whole. A checkpoint written by `save_pretrained` from a
             quantized model loads quantized without this (its `quantization_config`
             says how).
+        gguf_file: a GGUF file's name within the hub repo (or local folder)
+            `name_or_path`, as transformers takes it: only that file is
+            downloaded, or every part of a split one (`...-00001-of-0000N.gguf`).
 
     Returns:
         The `CausalLM`, its layers stacked along a leading axis.
@@ -231,7 +251,7 @@ def from_pretrained(
     """
     if sharding is not None and mesh is None:
         raise ValueError("sharding= needs mesh=: pass the jax.sharding.Mesh to lay the model out on.")
-    gguf_path = find_gguf(name_or_path)
+    gguf_path = find_gguf(name_or_path) if gguf_file is None else _gguf_in(name_or_path, gguf_file, revision)
     if gguf_path is not None:
         return load_gguf(gguf_path, dtype=dtype, scan_layers=scan_layers, mesh=mesh, sharding=sharding,
                          quantize=quantize)

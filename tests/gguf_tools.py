@@ -52,11 +52,11 @@ def llama_cpp_tree() -> Path:
     return tree
 
 
-def convert(checkpoint: Path, out: Path, outtype: str = "f32") -> Path:
-    """`convert_hf_to_gguf.py checkpoint --outtype outtype --outfile out`."""
+def convert(checkpoint: Path, out: Path, outtype: str = "f32", *options: str) -> Path:
+    """`convert_hf_to_gguf.py checkpoint --outtype outtype --outfile out *options`."""
     script = llama_cpp_tree() / "convert_hf_to_gguf.py"
     result = subprocess.run(
-        [sys.executable, str(script), str(checkpoint), "--outtype", outtype, "--outfile", str(out)],
+        [sys.executable, str(script), str(checkpoint), "--outtype", outtype, "--outfile", str(out), *options],
         capture_output=True, text=True,
     )
     if result.returncode:

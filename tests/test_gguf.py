@@ -335,3 +335,49 @@ def test_a_folder_of_several_gguf_files_asks_which(files, tmp_path):
         eqx_models.from_pretrained(tmp_path)
     (tmp_path / "b.gguf").unlink()
     assert is_quantized(eqx_models.from_pretrained(tmp_path).model.embed_tokens.weight)
+
+
+def test_a_split_gguf_file_loads_from_its_first_part(files, tmp_path):
+    """llama.cpp's split files (here its converter's `--split-max-tensors`): the
+    first part brings in the others; a later part, or a missing one, is refused
+    with what to pass."""
+    folder = tmp_path / "split"
+    folder.mkdir()
+    convert(files["stories"], folder / "stories-q8_0.gguf", "q8_0", "--split-max-tensors", "20")
+    parts = sorted(folder.glob("*.gguf"))
+    assert len(parts) > 1 and parts[0].name.endswith(f"-00001-of-{len(parts):05d}.gguf")
+    ids = jnp.asarray([[1, 403, 407, 261, 378]])
+    whole = ours(eqx_models.from_pretrained(files["stories_q8_0"]), ids)
+    split = eqx_models.from_pretrained(parts[0])
+    assert is_quantized(split.model.layers.mlp.up_proj.weight)
+    np.testing.assert_array_equal(ours(split, ids), whole)
+    np.testing.assert_array_equal(ours(eqx_models.from_pretrained(folder), ids), whole)  # the folder of parts
+    with pytest.raises(CheckpointError, match=f"part 2 of {len(parts)} .* pass the first part"):
+        eqx_models.from_pretrained(parts[1])
+    parts[-1].unlink()
+    with pytest.raises(CheckpointError, match=f"{parts[-1].name} is not beside it"):
+        eqx_models.from_pretrained(parts[0])
+
+
+def test_a_gguf_file_of_a_hub_repo_is_fetched_alone(files, tmp_path, monkeypatch):
+    """`gguf_file=` names one file of a repo (as in transformers): only it, or every
+    part of its split, is asked of the hub."""
+    import huggingface_hub
+
+    convert(files["stories"], tmp_path / "stories-f32.gguf", "f32", "--split-max-tensors", "30")
+    shutil.copy(files["stories_q8_0"], tmp_path / "stories-q8_0.gguf")
+    asked = []
+
+    def snapshot_download(repo_id, revision=None, allow_patterns=None):
+        asked.append((repo_id, revision, list(allow_patterns)))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    model = eqx_models.from_pretrained("someone/stories-GGUF", gguf_file="stories-q8_0.gguf", revision="v1")
+    assert is_quantized(model.model.embed_tokens.weight)
+    parts = sorted(p.name for p in tmp_path.glob("stories-f32-*.gguf"))
+    model = eqx_models.from_pretrained("someone/stories-GGUF", gguf_file=parts[0])
+    assert model.dtype == jnp.float32
+    assert asked == [("someone/stories-GGUF", "v1", ["stories-q8_0.gguf"]), ("someone/stories-GGUF", None, parts)]
+    with pytest.raises(FileNotFoundError, match="has no GGUF file 'stories-q4_0.gguf'; its GGUF files: stories-f32"):
+        eqx_models.from_pretrained("someone/stories-GGUF", gguf_file="stories-q4_0.gguf")
