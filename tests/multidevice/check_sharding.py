@@ -289,6 +289,41 @@ def test_a_model_quantized_while_loading_onto_a_mesh_equals_one_device(reference
     np.testing.assert_array_equal(tokens, generate(single, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[]))
 
 
+@pytest.mark.parametrize("model_name,preset", [("qwen3", "tp2_dp4"), ("qwen3", "tp4_fsdp2"), ("qwen3_moe", "ep4_dp2")])
+def test_an_int8_kv_cache_on_a_mesh_equals_one_device(references, model_name, preset):
+    """The int8 cache and its per-row scales split like a float cache (the scales
+    without the head_dim axis), and prefill, steps and generation agree with one
+    device's int8 cache."""
+    folder, _ = references[model_name]
+    shape, _, cache_spec = PRESETS[preset]
+    mesh = mesh_of(shape)
+    single = from_pretrained(folder, dtype=jnp.float32)
+    model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh)
+    ids, mask = prompts()
+
+    def stepwise(model):
+        cache = model.init_cache(ids.shape[0], 32, dtype="int8")
+        step, cache = prefill(model, ids, cache, mask)
+        steps = [step[:, -1]]
+        for i in range(DECODE_STEPS):
+            step, cache = decode(model, jnp.full((ids.shape[0], 1), i + 3, jnp.int32), cache)
+            steps.append(step[:, -1])
+        return np.asarray(jnp.stack(steps, 1)), cache
+
+    got, cache = stepwise(model)
+    want, _ = stepwise(single)
+    assert np.max(np.abs(got - want)) < 1e-4
+    assert cache.keys.dtype == jnp.int8 and cache.key_scales.dtype == jnp.float32
+    for name in ("keys", "values", "key_scales", "value_scales"):
+        leaf = getattr(cache, name)
+        assert leaf.sharding.spec == cache_spec, f"cache {name}: {leaf.sharding.spec}"
+        block = NamedSharding(mesh, cache_spec).shard_shape(leaf.shape)
+        assert all(shard.data.shape == block for shard in leaf.addressable_shards)
+    tokens = generate(model, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[], cache_dtype="int8")
+    np.testing.assert_array_equal(
+        tokens, generate(single, ids, attention_mask=mask, max_new_tokens=8, eos_token_id=[], cache_dtype="int8"))
+
+
 PUBLISHED = {"qwen3_30b_a3b": QWEN3_30B_A3B, "llama_3_1_70b": LLAMA_3_1_70B}
 
 
