@@ -20,7 +20,8 @@ second tree without it and point `--llama-bin` there:
         -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DCMAKE_BUILD_TYPE=Release
     cmake --build build-noamx -j2 --target llama-bench llama-batched-bench
 
-For each precision the two systems take turns, twice: ours decodes 32 tokens
+Both keep a 16-bit KV cache (ours bfloat16, `--cache-dtype`; llama.cpp its default
+F16). For each precision the two systems take turns, twice: ours decodes 32 tokens
 after a 128-token prompt (batch 1, median step) and prefills 512 tokens (best of
 three); llama-bench runs `-p 0 -n 32 -d 128` (32 tokens decoded after 128 in the
 cache) and `-p 512 -n 0`, both with 2 threads. For `--batch-precisions` (int8)
@@ -86,10 +87,10 @@ def llama_batched(binary: Path, gguf: Path, threads: int, batch: int, prompt: in
     return float(next(row for row in rows if row.get("pl") == batch)["speed_tg"])
 
 
-def ours_batched(model, batch: int, new_tokens: int) -> float:
+def ours_batched(model, batch: int, new_tokens: int, cache_dtype: str | None) -> float:
     """Our decode tokens per second (all rows) for `batch` rows after a 128-token prompt."""
     prompt = np.random.default_rng(1).integers(0, 1000, (batch, 128), dtype=np.int32)
-    prefill, step, _ = prepare_ours(model, prompt, new_tokens)
+    prefill, step, _ = prepare_ours(model, prompt, new_tokens, cache_dtype)
     prefill()
     step()
     times = []
@@ -125,17 +126,18 @@ def load_memory(checkpoint: Path, preset: str) -> dict:
     return {"peak_rss_growth_bytes": growth, "float32_file_bytes": float_bytes, "ratio": growth / float_bytes}
 
 
-def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probes: dict, batch: int = 0) -> dict:
+def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probes: dict, batch: int = 0,
+         cache_dtype: str | None = None) -> dict:
     model = eqx_models.from_pretrained(source, **{k: v for k, v in options.items() if k not in ("gguf", "read_gguf")})
-    batched = ours_batched(model, batch, new_tokens) if batch > 1 else None
-    prefill, step, figures = prepare_ours(model, prompt, new_tokens)
+    batched = ours_batched(model, batch, new_tokens, cache_dtype) if batch > 1 else None
+    prefill, step, figures = prepare_ours(model, prompt, new_tokens, cache_dtype)
     prefill()
     step()
     steps = interleaved({"step": step, **probes}, rounds=new_tokens // 4, calls_per_round=4)
     bandwidth = max((1 << 30) / min(steps[name]) for name in probes) / 1e9
     long_prompt = jnp.asarray(np.resize(prompt, (1, 512)))
     mask, key = jnp.ones(long_prompt.shape, jnp.int32), jax.random.key(0)
-    run = lambda: jax.block_until_ready(_prefill(model, long_prompt, mask, key, 513, Sampling(), ())[1])
+    run = lambda: jax.block_until_ready(_prefill(model, long_prompt, mask, key, 513, Sampling(), (), cache_dtype)[1])
     run()
     prefill_times = []
     for _ in range(3):
@@ -172,6 +174,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="also decode this many rows (0: skip)")
     parser.add_argument("--batch-precisions", nargs="+", default=["int8"])
+    parser.add_argument("--cache-dtype", default="bfloat16",
+                        help="our KV cache (llama.cpp keeps its default F16 cache): a 16-bit cache on both sides")
     parser.add_argument("--output", type=Path, default=RESULTS / "quantized.json")
     args = parser.parse_args()
 
@@ -187,7 +191,8 @@ def main():
             gguf = args.gguf_dir / f"{args.prefix}{options['gguf']}.gguf"
             source = gguf if options.get("read_gguf") else args.checkpoint
             batch = args.batch if precision in args.batch_precisions else 0
-            runs[precision]["eqx_models"].append(ours(source, options, prompt, args.new_tokens, probes, batch))
+            runs[precision]["eqx_models"].append(ours(source, options, prompt, args.new_tokens, probes, batch,
+                                                      args.cache_dtype))
             runs[precision]["llama.cpp"].append({
                 "gguf": gguf.name,
                 "decode_tokens_per_s": llama_bench(args.llama_bin, gguf, args.threads,
@@ -225,7 +230,8 @@ def main():
         "benchmark": "quantized",
         "checkpoint": str(args.checkpoint),
         "setup": dict(batch=1, prompt=128, new_tokens=args.new_tokens, prefill=512, threads=args.threads,
-                      rounds=args.rounds, note="best round of each system; the two take turns per precision"),
+                      rounds=args.rounds, note="best round of each system; the two take turns per precision",
+                      kv_cache={"eqx_models": args.cache_dtype, "llama.cpp": "f16 (its default)"}),
         "machine": dict(platform=platform.platform(), processor=platform.processor(), cpus=os.cpu_count(),
                         jax=jax.__version__, eqx_models=eqx_models.__version__,
                         llama_cpp=(version.stdout + version.stderr).strip()),
