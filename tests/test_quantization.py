@@ -218,6 +218,46 @@ def test_quantized_matvec_over_many_rows(kind, in_features, group_size, rows):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("rows", [8, 100])
+def test_quantized_matvec_over_several_chunks_of_tiles(kind, rows):
+    """300 weight rows of 1024 inputs: more than one chunk of whole tiles, and rows
+    left over in the last."""
+    bits, mode = FORMATS[kind]
+    stack = quantize_weight(heavy_tailed((1, 300, 1024), seed=rows), bits, 64 if mode == "affine" else 32, mode=mode)
+    x = jax.random.normal(jax.random.key(rows), (rows, 1024))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(0))
+    close_to_float64(got, product_float64(x, stack, 0), x, np.abs(layer_weight(stack, 0)))
+
+
+def test_a_prompt_takes_the_kernel_where_its_tiles_run():
+    from eqx_models.kernels import quantized_tiles_available
+    from eqx_models.nn.linear import use_matvec_kernel
+
+    prompt = jnp.zeros((1, 512, 256))
+    for activations in ("int8", "float"):
+        weight = quantize_weight(heavy_tailed((64, 256)), 8, 32, activations=activations)
+        assert use_matvec_kernel(prompt, weight) == (activations == "int8" and quantized_tiles_available())
+    assert not use_matvec_kernel(prompt, heavy_tailed((64, 256)))  # float weights: XLA's matmul
+
+
+@pytest.mark.parametrize("which", ["x", "scales"])
+def test_only_the_differentiated_terms_of_a_quantized_product_are_formed(which):
+    """A frozen base (QLoRA: scales not differentiated) or inputs that are not:
+    the other term's tangent is a symbolic zero and left out, the gradient as XLA's."""
+    stack = quantize_weight(heavy_tailed((2, 48, 128)), 8, 32)
+    x = jax.random.normal(jax.random.key(3), (40, 128))
+    with_scales = lambda scales: eqx.tree_at(lambda s: s.scales, stack, scales)
+    straight_through = lambda x: x + jax.lax.stop_gradient(quantize_activations(x) - x)
+    loss = lambda x, scales: jnp.sum(jnp.tanh(quantized_matvecs(x, (with_scales(scales),), jnp.int32(1))[0]))
+    reference = lambda x, scales: jnp.sum(jnp.tanh(straight_through(x) @ dequantize(stack.packed[1], scales[1], 8, 32).T))
+    argnum = 0 if which == "x" else 1
+    got = np.asarray(jax.grad(loss, argnum)(x, stack.scales), np.float32)
+    want = np.asarray(jax.grad(reference, argnum)(x, stack.scales), np.float32)
+    assert np.abs(want).max() > 0
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=1e-3 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kind", FORMATS)
 def test_quantized_matvecs_run_several_stacks_with_bfloat16_scales(kind):
     bits, mode = FORMATS[kind]
     stacks = [quantize_weight(heavy_tailed((2, n, 128), seed=n), bits, 32, scale_dtype=jnp.bfloat16, mode=mode)

@@ -1,8 +1,9 @@
-// Matrix-vector products with group-quantized weights for decode, as an XLA FFI call.
+// Products with group-quantized weights for decode (and, with AVX-512 VNNI, for
+// prompts), as an XLA FFI call.
 //
 // y_j[b, n] = sum_g scale_j[layer, n, g] * sum_{k in group g} q_j(layer, n, k) x[b, k]
 //
-// for a few activation rows b and one or more weight stacks j that share x. Each
+// for activation rows b and one or more weight stacks j that share x. Each
 // stack is the whole `[layers, N, K * bits / 8]` array of integers plus its scales
 // `[layers, N, K / group]` (float16 or bfloat16) and the layer index: the layer's
 // integers are read where they lie and widened in registers, so a step reads the
@@ -134,7 +135,7 @@ struct QuantizedActivations {
   std::vector<float> scale;       // [rows, K / 32]
   std::vector<float> offset_sum;  // [rows, K / group]
   // Per block, minus the offset times the block's integer sum: where the tiles
-  // (tile_vnni) start each block's integer sum, so it comes out free of the offset.
+  // (tiles_vnni) start each block's integer sum, so it comes out free of the offset.
   std::vector<int32_t> start;     // [rows, K / 32]
   // int4 in groups of 32: each run of four blocks again, as the four blocks' first
   // halves then their second halves: the order in which one 64-byte load of four
@@ -667,7 +668,7 @@ AVX512_VNNI inline void pack_chunk(const uint8_t* rows, int64_t row_bytes, int64
     const bool lone = group == kBlock && count == 1;
     const uint8_t* from = rows + c * 32;
     for (int r = 0; r < 16; ++r, from += row_bytes)
-      a[r] = lone ? _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(from)))
+      a[r] = lone ? _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_loadu_si128(reinterpret_cast<const __m128i*>(from)), 0)
                   : _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from));
     transpose_16x8(a, t);
     __m512i low[8], high[8];
@@ -769,8 +770,9 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
                                int64_t group) {
   const int64_t K = a.K, blocks = K / kBlock, groups = K / group, per_group = group / kBlock;
   const int64_t row_bytes = K * Bits / 8;
-  std::vector<uint8_t> storage(64 * (8 * blocks + 1));  // 64-byte aligned vectors within
-  __m512i* packed = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+  if (n1 - n0 < kTile) return n0;
+  std::unique_ptr<uint8_t[]> storage(new uint8_t[64 * (8 * blocks + 1)]);  // 64-byte aligned vectors within
+  __m512i* packed = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
   const int64_t padded = (groups + 7) / 8 * 8;
   std::vector<float> dw(kTile * blocks), bias(w.biases ? kTile * groups : 0), columns(kTile * groups);
   std::vector<float> table(kTile * padded, 0.0f);
@@ -961,9 +963,12 @@ void rows_any(const Weights& w, const float* x, const float* x_sums, int64_t row
 // About 256K weights per chunk (what matvec.cc's 1 MiB holds in float32): these
 // loops are bound by arithmetic per weight more than by bytes, and fewer, larger
 // chunks left a core idle (3 chunks of a 3072 x 1024 int8 weight on two cores).
-// Whole tiles of 16 rows (see tiles_vnni).
-int64_t chunk_rows(int64_t K) {
-  const int64_t rows = (256 * 1024) / (K > 0 ? K : 1) / 16 * 16;
+// Whole tiles of 16 rows (see tiles_vnni); from 9 activation rows on fewer weight
+// rows (down to an eighth from 64 on), so a prompt still makes enough chunks for
+// many cores.
+int64_t chunk_rows(int64_t K, int64_t activation_rows) {
+  const int64_t eights = activation_rows > 64 ? 8 : activation_rows > 8 ? (activation_rows + 7) / 8 : 1;
+  const int64_t rows = (256 * 1024) / (K > 0 ? K : 1) / eights / 16 * 16;
   return rows < 16 ? 16 : rows;
 }
 
@@ -978,6 +983,8 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   if ((bits != 8 && bits != 4) || group < 32 || group % 32)
     return ffi::Error::InvalidArgument("quantized_matvec: bits must be 8 or 4 and the group a multiple of 32");
   if (affine && bits != 4) return ffi::Error::InvalidArgument("quantized_matvec: affine weights are int4 only");
+  if (bits == 4 && group != 32 && group != 64 && group != 128)
+    return ffi::Error::InvalidArgument("quantized_matvec: int4 groups are 32, 64 or 128 inputs");
   const int64_t K = x_dims.back();
   if (K % group) return ffi::Error::InvalidArgument("quantized_matvec: the group must divide K");
   const int64_t rows = K == 0 ? 0 : static_cast<int64_t>(x.element_count()) / K;
@@ -999,7 +1006,7 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     if (p.size() != 3 || s.size() != 3 || p[2] != row_bytes || s[2] != groups || s[0] != p[0] || s[1] != p[1])
       return ffi::Error::InvalidArgument("quantized_matvec: want [layers, N, K * bits / 8] and [layers, N, K / group]");
     if (index < 0 || index >= p[0]) return ffi::Error::InvalidArgument("quantized_matvec: layer index out of range");
-    const int64_t N = p[1], chunk = chunk_rows(K);
+    const int64_t N = p[1], chunk = chunk_rows(K, rows);
     const uint16_t* biases = nullptr;
     if (affine) {
       auto b = stacks.get<ffi::AnyBuffer>(per_stack * j + 2);

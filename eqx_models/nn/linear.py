@@ -16,8 +16,9 @@ INIT_STD = 0.02  # transformers' default `initializer_range`
 # Up to this many rows (batch x seq) a product with a weight goes through the
 # matrix-vector kernel, which reads each weight once for all rows; beyond, XLA's
 # matmul reuses operands better and a slice copy is amortised over many rows.
-# Quantized weights with int8 activations on a CPU with AVX-512 VNNI go through
-# the kernel at any row count: its integer tiles outrun the float matmul.
+# Quantized weights with int8 activations go through the kernel at any row count
+# where `quantized_tiles_available()` (the CPU backend, AVX-512 VNNI): its integer
+# tiles outrun the float matmul of the dequantized weight.
 MAX_KERNEL_ROWS = 16
 
 
@@ -92,8 +93,10 @@ def _prepared(x: Array, weight: Weight) -> Array:
 def project(x: Float[Array, "*batch in"], weight: Weight) -> Float[Array, "*batch out"]:
     """`x @ weight.T`, with the decode kernel for a few rows and XLA's matmul otherwise.
 
-    A quantized weight is dequantized for the matmul (one layer at a time, in
-    `x`'s dtype): prefill reuses each weight over many rows.
+    Beyond the kernel's rows a quantized weight is dequantized for the matmul (one
+    layer at a time, in `x`'s dtype): prefill reuses each weight over many rows.
+    With int8 activations on a CPU with AVX-512 VNNI the kernel takes any number
+    of rows (see `use_matvec_kernel`).
     """
     if use_matvec_kernel(x, weight):
         stack, index = _as_stack(weight)
@@ -111,8 +114,9 @@ def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> li
 def project_many(x: Float[Array, "*batch in"], weights: list[Weight]) -> list[Float[Array, "*batch _"]]:
     """`[x @ w.T for w in weights]`, as one operation over all the weights.
 
-    For a few rows (decode) the projections go through the matrix-vector kernel
-    as one call that streams every weight in place. For many rows (prefill) one
+    For a few rows (decode), and for int8-activation quantized weights where
+    `use_matvec_kernel` says so, the projections go through the kernel as one call
+    that streams every weight in place. For many rows (prefill) otherwise one
     matmul over the concatenated weights beats several smaller ones that XLA
     would run side by side on the same cores, and the weights of a scanned layer
     are copied out of the stack either way.
