@@ -621,11 +621,12 @@ def _quantized_matvecs_jvp(primals, tangents):
             # Linear in the scales and biases: the integers over the scales' tangent plus the biases'.
             if _is_zero(scales_dot):
                 scales_dot = jnp.zeros(stack.scales.shape, stack.scales.dtype)
-            if stack.biases is not None and _is_zero(biases_dot):
+            if stack.biases is None:
+                biases_dot = None
+            elif _is_zero(biases_dot):
                 biases_dot = jnp.zeros(stack.biases.shape, stack.biases.dtype)
             weight_dot = dequantize(_layer_of(stack.packed, layer), _layer_of(scales_dot, layer), stack.bits,
-                                    stack.group_size, biases=_layer_of(biases_dot if stack.biases is not None
-                                                                       else None, layer))
+                                    stack.group_size, biases=_layer_of(biases_dot, layer))
             out_dot = out_dot + jnp.einsum("...i,oi->...o", x_seen, weight_dot)
         outs_dot.append(out_dot)
     return outs, tuple(outs_dot)

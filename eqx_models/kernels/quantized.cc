@@ -650,13 +650,12 @@ constexpr int64_t chunk_count(int64_t blocks) { return Bits == 8 ? blocks : (blo
 // Chunk c of a tile's 16 rows rearranged for the products: per block of 32 inputs
 // eight vectors, vector q holding inputs 4q..4q+3 of the 16 rows as unsigned bytes
 // (int8: q + 128; int4: the nibble), stored at `packed + 8 * block`.
+// `filled` / `count`: the chunk's blocks, as chunk_blocks gives them.
 template <int Bits>
-AVX512_VNNI inline void pack_chunk(const uint8_t* rows, int64_t row_bytes, int64_t blocks, int64_t group, int64_t c,
-                                   __m512i* packed) {
+AVX512_VNNI inline void pack_chunk(const uint8_t* rows, int64_t row_bytes, int64_t group, int64_t c,
+                                   const int64_t (&filled)[2], int count, __m512i* packed) {
   __m256i a[16];
   __m512i t[8];
-  int64_t filled[2];
-  const int count = chunk_blocks<Bits>(c, blocks, group, filled);
   if constexpr (Bits == 8) {
     const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
     const uint8_t* from = rows + c * kBlock;
@@ -733,9 +732,9 @@ AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* packed, const float* dw
   __m512 acc[B];
   for (int b = 0; b < B; ++b) acc[b] = _mm512_setzero_ps();
   for (int64_t c = 0; c < chunk_count<Bits>(blocks); ++c) {
-    if (rows) pack_chunk<Bits>(rows, row_bytes, blocks, group, c, packed);
     int64_t filled[2];
     const int count = chunk_blocks<Bits>(c, blocks, group, filled);
+    if (rows) pack_chunk<Bits>(rows, row_bytes, group, c, filled, count, packed);
     for (int i = 0; i < count; ++i) block_products<B>(packed, dw, a, b0, filled[i], acc);
   }
   if (bias)
