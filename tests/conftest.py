@@ -127,6 +127,27 @@ def _release_compiled_code_after_each_module():
     release_compiled_code()
 
 
+MAPPED_AREAS_BEFORE_RELEASE = 20_000  # of 65530; an 8-device test adds ~1,300
+
+
+def mapped_areas() -> int:
+    """How many memory areas this process has mapped (0 where /proc is missing)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            return sum(1 for _ in maps)
+    except OSError:
+        return 0
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code_before_the_limit():
+    """Within a long module (tests/multidevice compiles 8-device programs in one
+    module of 50 tests), releases once the areas approach the limit."""
+    yield
+    if mapped_areas() > MAPPED_AREAS_BEFORE_RELEASE:
+        release_compiled_code()
+
+
 # The longest items (minutes each, alone on one worker) start first: with
 # `pytest -n auto` on a few cores the other workers take the rest meanwhile, instead
 # of waiting at the end for one that began late.

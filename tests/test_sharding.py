@@ -41,7 +41,11 @@ def test_sharded_runs_on_eight_cpu_devices():
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
     )
     summary = result.stdout.strip().splitlines()[-1] if result.stdout.strip() else ""
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
+    # A crash's own lines (faulthandler's "Fatal Python error" and the stack under
+    # it) come first in stderr; the tail alone shows only pytest's outer frames.
+    crash = result.stderr.find("Fatal Python error")
+    errors = result.stderr[crash:crash + 3000] if crash >= 0 else result.stderr[-3000:]
+    assert result.returncode == 0, result.stdout[-6000:] + errors
     assert " passed" in summary and "skipped" not in summary and "failed" not in summary, summary
 
 
