@@ -32,7 +32,9 @@ fresh processes, the peak memory of `from_pretrained(..., quantize="int8")` and
 where every matrix is Q4_0 (`llama-quantize --pure`), as ours quantizes the
 embedding table too. The floor is each model's bytes over the read bandwidth
 measured between the decode steps. `int8-gguf` / `int4-gguf` load the Q8_0 /
-Q4_0 GGUF files themselves (both systems then read one file). Writes
+Q4_0 GGUF files themselves (both systems then read one file). `int8-rows` holds
+the int8 weights in rows instead of the kernel's tiles (`layout="rows"`), to
+show what the tiles layout gives. Writes
 `benchmarks/results/quantized.json` (or `--output`).
 """
 
@@ -53,13 +55,17 @@ from decode import RESULTS, bandwidth_probes, interleaved, prepare_ours
 
 import eqx_models
 from eqx_models.generation import Sampling, _prefill
-from eqx_models.quantization import quantized_bytes
+from eqx_models.quantization import QuantizedWeight, quantized_bytes, with_layout
+
+is_quantized = lambda node: isinstance(node, QuantizedWeight)
 
 # Ours, and the GGUF llama.cpp reads for the same width.
 PRECISIONS = {
     "float32": dict(dtype="float32", gguf="f32"),
     "bfloat16": dict(dtype="bfloat16", gguf="bf16"),
     "int8": dict(quantize="int8", gguf="q8_0"),
+    # The same int8 weights held as rows (`layout="rows"`), not the kernel's tiles.
+    "int8-rows": dict(quantize="int8", layout="rows", gguf="q8_0"),
     "int4": dict(quantize="int4", gguf="q4_0-pure"),
     # Affine int4 (group 64, scale and bias) beside llama.cpp's affine Q4_1 (group 32).
     "int4-affine": dict(quantize="int4-affine", gguf="q4_1-pure"),
@@ -128,7 +134,11 @@ def load_memory(checkpoint: Path, preset: str) -> dict:
 
 def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probes: dict, batch: int = 0,
          cache_dtype: str | None = None) -> dict:
-    model = eqx_models.from_pretrained(source, **{k: v for k, v in options.items() if k not in ("gguf", "read_gguf")})
+    model = eqx_models.from_pretrained(source, **{k: v for k, v in options.items()
+                                                   if k not in ("gguf", "read_gguf", "layout")})
+    if "layout" in options:
+        model = with_layout(model, options["layout"])
+    held = {w.layout for w in jax.tree.leaves(model, is_leaf=is_quantized) if is_quantized(w)}
     batched = ours_batched(model, batch, new_tokens, cache_dtype) if batch > 1 else None
     prefill, step, figures = prepare_ours(model, prompt, new_tokens, cache_dtype)
     prefill()
@@ -154,6 +164,7 @@ def ours(source: Path, options: dict, prompt: np.ndarray, new_tokens: int, probe
         "read_bandwidth_gb_s": bandwidth,
         "floor_tokens_per_s": bandwidth * 1e9 / nbytes,
         "decode_temp_bytes": figures["decode_temp_bytes"],
+        "layouts": sorted(held),
     }
     if batched is not None:
         result[f"batch_{batch}_decode_tokens_per_s"] = batched
@@ -173,7 +184,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--batch", type=int, default=8, help="also decode this many rows (0: skip)")
-    parser.add_argument("--batch-precisions", nargs="+", default=["int8"])
+    parser.add_argument("--batch-precisions", nargs="+", default=["int8", "int8-rows"])
     parser.add_argument("--cache-dtype", default="bfloat16",
                         help="our KV cache (llama.cpp keeps its default F16 cache): a 16-bit cache on both sides")
     parser.add_argument("--output", type=Path, default=RESULTS / "quantized.json")

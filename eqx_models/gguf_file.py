@@ -566,7 +566,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     """
     from .models import architecture_for
     from .nn.causal_lm import CausalLM
-    from .quantization import QuantizedWeight, quantizable_layers, spec_for
+    from .quantization import QuantizedWeight, quantizable_layers, spec_for, tiles_fit, tiles_in_place, tiles_pay
     from .quantization import quantize as quantize_model
     from .sharding import shard_model
 
@@ -583,14 +583,19 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
         jax.numpy.zeros((), leaf.dtype) if array is None else _to_jax(array)
         for (_, leaf), array in zip(leaves, arrays)
     ])
+    # Q8_0 weights go into the CPU kernel's tiles as they load (see `quantization.with_layout`).
+    tiles = mesh is None and tiles_pay()
     for leaf_path, (bits, integers, scales, biases) in packed.items():
+        layout = "tiles" if tiles and tiles_fit(bits, "int8", integers.shape) else "rows"
+        if layout == "tiles":
+            integers = tiles_in_place(integers if integers.flags.writeable else integers.copy())
         weight = QuantizedWeight(_to_jax(integers), _to_jax(scales), bits, 32, packable[leaf_path], dtype,
-                                 biases=None if biases is None else _to_jax(biases))
+                                 biases=None if biases is None else _to_jax(biases), layout=layout)
         model = eqx.tree_at(lambda m, leaf_path=leaf_path: _at(m, leaf_path), model, weight)
     if quantize is not None:
         if packed:
             raise ValueError(f"{path} is already quantized ({len(packed)} packed weights); drop quantize=.")
-        model = quantize_model(model, **spec_for(quantize).options())
+        model = quantize_model(model, **spec_for(quantize).options(), layout="rows" if mesh is not None else "auto")
     if mesh is not None:
         model = shard_model(model, mesh, sharding)
     return model

@@ -19,8 +19,9 @@ from .config import load_json
 from .gguf_file import find_gguf, load_gguf, split_parts
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
-from .quantization import QuantizationSpec, quantize_weight, spec_for, spec_from_hf, spec_of
+from .quantization import QuantizationSpec, QuantizedWeight, quantize_weight, spec_for, spec_from_hf, spec_of
 from .quantization import quantize as quantize_model
+from .quantization import rows_to_tiles, tiles_fit, tiles_in_place, tiles_pay, with_layout
 from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
 from .sharding import ShardingRules, placement_for, shard_model, shardings
 
@@ -281,6 +282,12 @@ def from_pretrained(
         embed_names = _hf_names("model.embed_tokens.weight", (), arch.tensor_name, {})[0]
         float_dtype = target_dtype or np.dtype(source.dtype(embed_names[0]))
         quantized_skeleton = _quantized_skeleton(skeleton, spec, float_dtype)
+    # int8 weights go into the CPU kernel's tiles as they load (see
+    # `quantization.with_layout`): `tiled` holds the paths of those weights.
+    final_skeleton = quantized_skeleton if quantized_skeleton is not None else skeleton
+    tiled = _tiled_weight_paths(final_skeleton) if placement is None and tiles_pay() else set()
+    if tiled:
+        final_skeleton = eqx.filter_eval_shape(lambda m: with_layout(m, "tiles"), final_skeleton)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     plan = []
@@ -304,7 +311,9 @@ def from_pretrained(
         # Scales and integers keep their dtype; floats take `dtype`.
         leaf_dtype = None if _leaf_names(path).endswith(tuple(QUANTIZED_LEAVES)) else target_dtype
         quantized = spec if tuple(path) in quantized_paths else None
-        plan.append((names, stacked, target, transposed, leaf_dtype, quantized))
+        # A saved weight's integers, or a weight quantized as it loads, in tiles.
+        tiles = tuple(path) in tiled or (getattr(path[-1], "name", None) == "packed" and tuple(path[:-1]) in tiled)
+        plan.append((names, stacked, target, transposed, leaf_dtype, quantized, tiles))
     unexpected = sorted(
         n
         for n in set(source.location) - consumed
@@ -321,10 +330,11 @@ def from_pretrained(
         )
 
     def load(entry):
-        names, stacked, target, transposed, leaf_dtype, quantized = entry
+        names, stacked, target, transposed, leaf_dtype, quantized, tiles = entry
         if quantized is not None:
-            return _load_quantized_leaf(source, names, stacked, quantized, transposed)
-        return _load_leaf(source, names, stacked, leaf_dtype, target, map_weights, transposed)
+            return _load_quantized_leaf(source, names, stacked, quantized, transposed, tiles)
+        leaf = _load_leaf(source, names, stacked, leaf_dtype, target, map_weights and not tiles, transposed)
+        return rows_to_tiles(leaf) if tiles else leaf
 
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
@@ -332,10 +342,10 @@ def from_pretrained(
         arrays = list(pool.map(load, plan))
     if quantized_skeleton is not None:
         loaded = {tuple(path): array for (path, _), array in zip(leaves, arrays)}
-        q_leaves, treedef = jax.tree_util.tree_flatten_with_path(quantized_skeleton)
+        q_leaves = jax.tree_util.tree_flatten_with_path(quantized_skeleton)[0]
         arrays = [loaded[tuple(path)] if tuple(path) in loaded else loaded[tuple(path[:-1])][_PART[path[-1].name]]
                   for path, _ in q_leaves]
-    model = jax.tree_util.tree_unflatten(treedef, arrays)
+    model = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(final_skeleton), arrays)
     if placement is not None and quantized_skeleton is not None:
         # Quantized in host memory a block of rows at a time, then split: each
         # device receives whole groups of its weights' share.
@@ -350,7 +360,14 @@ def _quantized_skeleton(skeleton: CausalLM, spec: QuantizationSpec, float_dtype)
     """The shapes of `skeleton` quantized by `spec`, its floats in `float_dtype`."""
     as_float = lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
     floats = jax.tree.map(as_float, skeleton)
-    return eqx.filter_eval_shape(lambda m: quantize_model(m, **spec.options()), floats)
+    return eqx.filter_eval_shape(lambda m: quantize_model(m, **spec.options(), layout="rows"), floats)
+
+
+def _tiled_weight_paths(model: CausalLM) -> set[tuple]:
+    """Paths of the quantized weights of `model` that fit the tiles layout."""
+    is_quantized = lambda node: isinstance(node, QuantizedWeight)
+    return {tuple(path) for path, node in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_quantized)[0]
+            if is_quantized(node) and tiles_fit(node.bits, node.activations, node.shape)}
 
 
 def _quantized_weight_paths(quantized: CausalLM) -> set[tuple]:
@@ -371,11 +388,13 @@ def _quantizer(spec: QuantizationSpec):
 
 
 def _load_quantized_leaf(
-    source: TensorSource, names: list[str], stacked: tuple[int, ...], spec: QuantizationSpec, transposed: bool = False
+    source: TensorSource, names: list[str], stacked: tuple[int, ...], spec: QuantizationSpec, transposed: bool = False,
+    tiles: bool = False,
 ):
     """Reads a float weight leaf a block of rows at a time and quantizes each
     block into the leaf's integers, scales and (affine) biases, returned in that
-    order. A tensor holding several matrices (a layer's fused experts,
+    order; with `tiles` the integers are rearranged into the tiles layout in
+    place. A tensor holding several matrices (a layer's fused experts,
     `transposed` as `[experts, in, out]`) is read whole, one tensor at a time."""
     tensor_shape = source.shape(names[0])
     *inner, out_features, in_features = _swap_last(tensor_shape) if transposed else tensor_shape
@@ -399,6 +418,8 @@ def _load_quantized_leaf(
     if not inner and not transposed:
         for i, name in enumerate(names):
             quantize_matrix(i, lambda rows, into: source.read_into(name, into, rows))
+        if tiles:
+            outputs[0] = tiles_in_place(packed)
         return tuple(map(_to_jax, outputs))
     whole = np.empty(tensor_shape, np.float32)
     for i, name in enumerate(names):
@@ -407,6 +428,8 @@ def _load_quantized_leaf(
         for j, matrix in enumerate(matrices):
             matrix = matrix.T if transposed else matrix
             quantize_matrix(i * len(matrices) + j, lambda rows, into: np.copyto(into, matrix[rows.start : rows.stop]))
+    if tiles:
+        outputs[0] = tiles_in_place(packed)
     return tuple(map(_to_jax, outputs))
 
 
@@ -513,6 +536,7 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
             "The model carries LoRA adapters, which have no place in a transformers checkpoint: save "
             "eqx_models.lora.merge_lora(model), or the adapters alone with eqx_models.lora.save_adapters."
         )
+    model = with_layout(model, "rows")  # the checkpoint layout, whatever the layout in memory
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     config = model.config

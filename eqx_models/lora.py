@@ -175,7 +175,7 @@ def merge_lora(model):
         if isinstance(base.weight, QuantizedWeight):  # QLoRA: the sum quantized again, as the base was
             w = base.weight
             weight = quantize_weight(w.dequantize(jnp.float32) + delta, w.bits, w.group_size, scale_dtype=w.scales.dtype,
-                                     activations=w.activations, axes=w.axes, mode=w.mode)
+                                     activations=w.activations, axes=w.axes, mode=w.mode, layout=w.layout)
             weight = dataclasses.replace(weight, float_dtype=w.float_dtype)
         else:
             weight = (base.weight.astype(jnp.float32) + delta).astype(base.weight.dtype)

@@ -23,6 +23,16 @@ int8 with one float32 scale (`quantize_activations`), so the CPU kernel sums the
 products in integers; prefill rounds the same way, so both compute one function.
 With `activations="float"` the inputs stay as they are (slower decode on the CPU,
 the exact product with the dequantized weight).
+
+Layout: `layout="rows"` keeps each output row's integers together (`[..., out,
+in * bits / 8]`, what checkpoints hold). `layout="tiles"` (int8 only) stores them
+as the CPU kernel multiplies them, sixteen output rows at a time:
+`[..., out / 16, in / 32, 512]` bytes `q + 128`, byte `64 * v + 4 * r + i` of
+block `j` of tile `t` being input `32 * j + 4 * v + i` of row `16 * t + r`. The
+kernel then reads the bytes as they lie instead of transposing each tile per
+call (as llama.cpp repacks its Q8_0 weights at load). `quantize` and
+`from_pretrained` pick it where it pays (`layout="auto"`: a CPU with AVX-512
+VNNI, one device); `save_pretrained` writes rows whatever the layout in memory.
 """
 
 import dataclasses
@@ -38,7 +48,10 @@ GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16)
 ACTIVATIONS = ("int8", "float")
 MODES = ("symmetric", "affine")
+LAYOUTS = ("rows", "tiles")
 ACTIVATION_BLOCK = 32  # inputs per activation scale with activations="int8"
+TILE_ROWS = 16  # output rows per tile in the "tiles" layout
+TILE_BLOCK = 32  # inputs per block of a tile
 
 
 @jax.custom_jvp
@@ -68,7 +81,8 @@ class QuantizedWeight(eqx.Module):
     Leading axes (a stack of layers or experts) may precede both arrays.
     """
 
-    packed: Shaped[Array, "*stack out packed_in"]
+    # rows: [*stack, out, in * bits / 8]; tiles: [*stack, out / 16, in / 32, 512]
+    packed: Shaped[Array, "..."]
     scales: Float[Array, "*stack out groups"]
     bits: int = eqx.field(static=True)
     group_size: int = eqx.field(static=True)
@@ -76,6 +90,7 @@ class QuantizedWeight(eqx.Module):
     float_dtype: np.dtype = eqx.field(static=True)  # the weight's dtype before: activations keep it
     activations: str = eqx.field(static=True, default="int8")
     biases: Float[Array, "*stack out groups"] | None = None  # affine mode: `w = q * scale + bias`
+    layout: str = eqx.field(static=True, default="rows")  # "rows" or "tiles" (see the module docstring)
 
     def __check_init__(self):
         if self.bits not in (4, 8):
@@ -86,6 +101,16 @@ class QuantizedWeight(eqx.Module):
             raise ValueError(f"QuantizedWeight: biases {self.biases.shape} and scales {self.scales.shape} must match.")
         if self.activations not in ACTIVATIONS:
             raise ValueError(f"QuantizedWeight: activations must be one of {ACTIVATIONS}, got {self.activations!r}.")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"QuantizedWeight: layout must be one of {LAYOUTS}, got {self.layout!r}.")
+        if self.layout == "tiles":
+            *stack, tiles, blocks, tile_bytes = self.packed.shape
+            if self.bits != 8 or tile_bytes != TILE_ROWS * TILE_BLOCK:
+                raise ValueError(f"QuantizedWeight: the tiles layout holds int8 as [..., out / {TILE_ROWS}, in / "
+                                 f"{TILE_BLOCK}, {TILE_ROWS * TILE_BLOCK}], got bits={self.bits}, {self.packed.shape}.")
+            if tuple(self.scales.shape) != (*stack, tiles * TILE_ROWS, blocks * TILE_BLOCK // self.group_size):
+                raise ValueError(f"QuantizedWeight: tiles {self.packed.shape} do not match scales {self.scales.shape}.")
+            return
         per_byte = 8 // self.bits
         if self.packed.shape[-1] * per_byte != self.scales.shape[-1] * self.group_size:
             raise ValueError(
@@ -97,7 +122,8 @@ class QuantizedWeight(eqx.Module):
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         # Both arrays split like the float weight: a device's share of the input
         # axis holds whole groups as long as it is a multiple of group_size.
-        return {"packed": self.axes, "scales": self.axes, "biases": self.axes}
+        return {"packed": self.axes + ((None,) if self.layout == "tiles" else ()), "scales": self.axes,
+                "biases": self.axes}
 
     @property
     def mode(self) -> str:
@@ -107,6 +133,8 @@ class QuantizedWeight(eqx.Module):
     @property
     def shape(self) -> tuple[int, ...]:
         """The float weight's shape (with any leading stack axes)."""
+        if self.layout == "tiles":
+            return (*self.packed.shape[:-3], self.packed.shape[-3] * TILE_ROWS, self.packed.shape[-2] * TILE_BLOCK)
         return (*self.packed.shape[:-1], self.packed.shape[-1] * (8 // self.bits))
 
     @property
@@ -117,7 +145,12 @@ class QuantizedWeight(eqx.Module):
     def dequantize(self, dtype=None) -> Float[Array, "*stack out in"]:
         """The float weight these integers and scales stand for (in `dtype`, by
         default the weight's dtype before quantization)."""
-        return dequantize(self.packed, self.scales, self.bits, self.group_size, dtype or self.float_dtype, self.biases)
+        return dequantize(self.row_integers(), self.scales, self.bits, self.group_size, dtype or self.float_dtype,
+                          self.biases)
+
+    def row_integers(self) -> Shaped[Array, "*stack out packed_in"]:
+        """The integers in the "rows" layout (`packed` itself unless tiled)."""
+        return tiles_to_rows(self.packed) if self.layout == "tiles" else self.packed
 
     def prepare_input(self, x: Float[Array, "*rows in"]) -> Float[Array, "*rows in"]:
         """`x` as the products with this weight see it (`quantize_activations` with
@@ -125,10 +158,90 @@ class QuantizedWeight(eqx.Module):
         return quantize_activations(x).astype(x.dtype) if self.activations == "int8" else x
 
     def take_rows(self, rows: Int[Array, "*batch"]) -> Float[Array, "*batch in"]:
-        """Rows of the dequantized weight (an embedding lookup), reading only those rows."""
+        """Rows of the dequantized weight (an embedding lookup), reading only those
+        rows (tiled: only the tiles that hold them)."""
         take = lambda a: None if a is None else jnp.take(a, rows, axis=-2)
-        return dequantize(take(self.packed), take(self.scales), self.bits, self.group_size, self.float_dtype,
-                          take(self.biases))
+        if self.layout == "tiles":
+            tiles = jnp.take(self.packed, rows // TILE_ROWS, axis=-3)  # [..., batch, blocks, 512]
+            *lead, blocks, _ = tiles.shape
+            words = tiles.reshape(*lead, blocks, 8, TILE_ROWS, 4)
+            within = (rows % TILE_ROWS)[..., None, None, None, None]
+            picked = jnp.take_along_axis(words, jnp.broadcast_to(within, (*lead, blocks, 8, 1, 4)), axis=-2)
+            integers = (picked.reshape(*lead, blocks * TILE_BLOCK) ^ 0x80).view(jnp.int8)
+        else:
+            integers = take(self.packed)
+        return dequantize(integers, take(self.scales), self.bits, self.group_size, self.float_dtype, take(self.biases))
+
+
+def rows_to_tiles(packed: Shaped[Array, "*stack out in"]) -> Shaped[Array, "*stack tiles blocks 512"]:
+    """int8 integers `[..., out, in]` in the "tiles" layout (see the module docstring)."""
+    *stack, out, width = packed.shape
+    tiles = (packed.view(jnp.uint8) ^ 0x80).reshape(*stack, out // TILE_ROWS, TILE_ROWS, width // TILE_BLOCK, 8, 4)
+    n = len(stack)
+    order = (*range(n), n, n + 2, n + 3, n + 1, n + 4)  # [tile, block, word, row, byte]
+    return tiles.transpose(order).reshape(*stack, out // TILE_ROWS, width // TILE_BLOCK, TILE_ROWS * TILE_BLOCK)
+
+
+def tiles_to_rows(tiles: Shaped[Array, "*stack tiles blocks 512"]) -> Shaped[Array, "*stack out in"]:
+    """The int8 integers `[..., out, in]` of the "tiles" layout."""
+    *stack, count, blocks, _ = tiles.shape
+    words = tiles.reshape(*stack, count, blocks, 8, TILE_ROWS, 4)
+    n = len(stack)
+    order = (*range(n), n, n + 3, n + 1, n + 2, n + 4)  # [tile, row, block, word, byte]
+    rows = words.transpose(order).reshape(*stack, count * TILE_ROWS, blocks * TILE_BLOCK)
+    return (rows ^ 0x80).view(jnp.int8)
+
+
+def tiles_in_place(packed: np.ndarray) -> np.ndarray:
+    """A host int8 buffer `[..., out, in]` rearranged in place into the "tiles"
+    layout, one matrix at a time (so loading holds one matrix's copy, not the
+    leaf's); returns the same memory as uint8 `[..., out / 16, in / 32, 512]`."""
+    *stack, out, width = packed.shape
+    flat = packed.reshape(-1, out * width).view(np.uint8)
+    for matrix in flat:
+        words = (matrix ^ 0x80).reshape(out // TILE_ROWS, TILE_ROWS, width // TILE_BLOCK, 8, 4)
+        matrix[:] = words.transpose(0, 2, 3, 1, 4).reshape(-1)
+    return flat.reshape(*stack, out // TILE_ROWS, width // TILE_BLOCK, TILE_ROWS * TILE_BLOCK)
+
+
+def tiles_fit(bits: int, activations: str, shape: tuple[int, ...]) -> bool:
+    """Whether a quantized weight of the float `shape` (`[..., out, in]`) can
+    take the "tiles" layout: int8 with int8 activations, whole tiles of output
+    rows, not a stack of experts."""
+    return bits == 8 and activations == "int8" and shape[-2] % TILE_ROWS == 0 and len(shape) <= 3
+
+
+def tiles_pay() -> bool:
+    """Whether `layout="auto"` means "tiles" in this process: the CPU kernel runs
+    its tiles (AVX-512 VNNI) and JAX has one device (sharded weights take XLA's
+    path, which reads rows)."""
+    from .kernels import quantized_tiles_available
+
+    return quantized_tiles_available() and jax.device_count() == 1
+
+
+def with_layout(model, layout: str):
+    """`model` with every quantized weight that fits (`tiles_fit`) in `layout`:
+    "rows", "tiles", or "auto" ("tiles" where `tiles_pay()`, else "rows").
+
+    Raises:
+        ValueError: an unknown layout.
+    """
+    if layout not in LAYOUTS + ("auto",):
+        raise ValueError(f"layout must be one of {LAYOUTS + ('auto',)}, got {layout!r}.")
+    if layout == "auto":
+        layout = "tiles" if tiles_pay() else "rows"
+    is_quantized = lambda node: isinstance(node, QuantizedWeight)
+
+    def swap(node):
+        if not is_quantized(node) or node.layout == layout:
+            return node
+        if layout == "tiles" and not tiles_fit(node.bits, node.activations, node.shape):
+            return node
+        packed = rows_to_tiles(node.packed) if layout == "tiles" else tiles_to_rows(node.packed)
+        return dataclasses.replace(node, packed=packed, layout=layout)
+
+    return jax.tree.map(swap, model, is_leaf=is_quantized)
 
 
 def _check(in_features: int, bits: int, group_size: int, mode: str = "symmetric") -> None:
@@ -156,6 +269,7 @@ def quantize_weight(
     activations: str = "int8",
     axes: tuple[str | None, str | None] = (None, None),
     mode: str = "symmetric",
+    layout: str = "rows",
 ) -> QuantizedWeight:
     """Quantizes a float `(out, in)` weight (any leading axes) per group.
 
@@ -177,13 +291,16 @@ def quantize_weight(
             input (see the module docstring).
         axes: the logical axes of `(out, in)`, for sharding.
         mode: "symmetric" or "affine" (int4 only: a bias per group too).
+        layout: "rows" or "tiles" (int8 with int8 activations and whole tiles of
+            16 output rows; see the module docstring).
 
     Returns:
         The `QuantizedWeight`.
 
     Raises:
         ValueError: bits other than 8 or 4, a group size not in `GROUP_SIZES` or
-            one that does not divide the input width, an unknown mode or affine int8.
+            one that does not divide the input width, an unknown mode or affine
+            int8, a tiles layout the weight does not fit.
     """
     *stack, out, in_features = weight.shape
     float_dtype = np.dtype(weight.dtype)
@@ -197,8 +314,16 @@ def quantize_weight(
         scale = (jnp.max(jnp.abs(groups), axis=-1) / 127).astype(scale_dtype)
         step = scale.astype(jnp.float32)[..., None]
         q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)), -127, 127).astype(jnp.int8)
-        return QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype,
-                               activations)
+        weight = QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype,
+                                 activations)
+        if layout == "rows":
+            return weight
+        if layout != "tiles" or not tiles_fit(8, activations, weight.shape):
+            raise ValueError(f"layout={layout!r}: use 'rows', or 'tiles' for int8 weights with int8 activations, "
+                             f"{TILE_ROWS} output rows a tile and no expert axis (got {weight.shape}).")
+        return dataclasses.replace(weight, packed=rows_to_tiles(weight.packed), layout="tiles")
+    if layout != "rows":
+        raise ValueError(f"layout={layout!r} is for int8 weights; int4 ones are held as rows (layout='rows').")
     biases = None
     if mode == "affine":
         low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
@@ -307,7 +432,7 @@ def quantizable_layers(
 def quantize(
     model, bits: int = 8, group_size: int = 32, *, scale_dtype=jnp.float16, activations: str = "int8",
     embeddings: bool = True, lm_head: bool = True, experts: bool = True, keep_indivisible: bool = False,
-    mode: str = "symmetric",
+    mode: str = "symmetric", layout: str = "auto",
 ):
     """`model` with its linear weights (and embedding table) replaced by `QuantizedWeight`s.
 
@@ -330,6 +455,8 @@ def quantize(
             raising.
         mode: "symmetric" (as llama.cpp's Q8_0 / Q4_0) or "affine" (int4 with a
             scale and a bias per group, as mlx-lm; best at group_size=64).
+        layout: how int8 integers lie in memory (see `with_layout`): "auto"
+            (the CPU kernel's tiles where they pay, else rows), "rows" or "tiles".
 
     Returns:
         The quantized model. Kept in their dtype: norms, biases, routers, and the
@@ -337,6 +464,8 @@ def quantize(
         through `Linear`).
     """
     _check(0, bits, group_size, mode)
+    if layout not in LAYOUTS + ("auto",):
+        raise ValueError(f"layout must be one of {LAYOUTS + ('auto',)}, got {layout!r}.")
     swaps = []
     for path, node, axes in quantizable_layers(model, embeddings=embeddings, lm_head=lm_head, experts=experts):
         if node.weight.shape[-1] % group_size:
@@ -358,7 +487,7 @@ def quantize(
             return m.weight
 
         model = eqx.tree_at(where, model, weight)
-    return model
+    return with_layout(model, layout)
 
 
 
@@ -369,7 +498,14 @@ def with_activations(model, activations: str):
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}.")
     is_quantized = lambda node: isinstance(node, QuantizedWeight)
-    swap = lambda node: dataclasses.replace(node, activations=activations) if is_quantized(node) else node
+
+    def swap(node):
+        if not is_quantized(node):
+            return node
+        if activations == "float" and node.layout == "tiles":  # the tiles are for int8 activations
+            node = dataclasses.replace(node, packed=tiles_to_rows(node.packed), layout="rows")
+        return dataclasses.replace(node, activations=activations)
+
     return jax.tree.map(swap, model, is_leaf=is_quantized)
 
 # ----------------------------------------------------------- checkpoint layout

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from .quantization import QuantizedWeight
+from .quantization import QuantizedWeight, with_layout
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -354,6 +354,7 @@ def shard_model(model, mesh: Mesh, sharding=None):
         calls, `init_cache` and `generate` run split over the mesh.
     """
     placement = placement_for(model.config, mesh, sharding)
+    model = with_layout(model, "rows")  # split weights take XLA's path, which reads rows
     params, static = eqx.partition(model, eqx.is_array)
     placed = jax.tree.map(jax.device_put, params, shardings(params, placement))
     return eqx.combine(placed, static).with_placement(placement)

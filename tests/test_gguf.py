@@ -16,7 +16,7 @@ from gguf_tools import convert, dequantized_file, quantized, random_k_blocks, re
 
 import eqx_models
 from eqx_models.config import ConfigError
-from eqx_models.quantization import QuantizedWeight, with_activations
+from eqx_models.quantization import QuantizedWeight, tiles_pay, with_activations
 from eqx_models.safetensors_file import CheckpointError
 
 Q = gguf.GGMLQuantizationType
@@ -133,6 +133,9 @@ def test_q8_0_loads_packed_and_equals_llama_cpp_dequantized(files):
     layers = model.model.layers
     for weight in (layers.self_attn.q_proj.weight, layers.mlp.up_proj.weight, model.model.embed_tokens.weight):
         assert is_quantized(weight) and weight.bits == 8 and weight.group_size == 32
+    # The kernel's tiles where they pay and whole tiles of rows fit (not up_proj's 172).
+    assert layers.self_attn.q_proj.weight.layout == ("tiles" if tiles_pay() else "rows")
+    assert layers.mlp.up_proj.weight.layout == "rows"
     assert not is_quantized(layers.mlp.down_proj.weight)
     ids = np.asarray([[1, 403, 407, 261, 378, 297, 410, 296, 365, 291]])
     reference = hf_logits(files["stories"], ids, roundtrip_like(path, files["stories"], gguf.MODEL_ARCH.LLAMA))

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from ..quantization import dequantize, quantize_activations
+from ..quantization import dequantize, quantize_activations, tiles_to_rows
 from ..sharding import spans_devices
 
 SOURCES = tuple(
@@ -570,8 +570,14 @@ def _layer_of(array, layer: Array):
     return None if array is None else jax.lax.dynamic_index_in_dim(array, layer, keepdims=False)
 
 
+def _layer_integers(stack, layer: Array) -> Array:
+    """The layer's integers in the rows layout."""
+    packed = _layer_of(stack.packed, layer)
+    return tiles_to_rows(packed) if stack.layout == "tiles" else packed
+
+
 def _quantized_slice(stack, layer: Array) -> Array:
-    return dequantize(_layer_of(stack.packed, layer), _layer_of(stack.scales, layer), stack.bits, stack.group_size,
+    return dequantize(_layer_integers(stack, layer), _layer_of(stack.scales, layer), stack.bits, stack.group_size,
                       biases=_layer_of(stack.biases, layer))
 
 
@@ -583,18 +589,29 @@ def _quantized_reference(x, stacks, layer):
 def _quantized_kernel(x, stacks, layer):
     bits, group, int8 = stacks[0].bits, stacks[0].group_size, stacks[0].activations == "int8"
     affine = stacks[0].biases is not None
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.packed.shape[1:2], jnp.float32) for s in stacks)
+    tiled = stacks[0].layout == "tiles"
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.scales.shape[1:2], jnp.float32) for s in stacks)
     call = jax.ffi.ffi_call(QUANTIZED_TARGET, shapes, vmap_method="sequential")
     arrays = [a for s in stacks for a in ((s.packed, s.scales, s.biases) if affine else (s.packed, s.scales))]
     return tuple(call(x, layer.astype(jnp.int32).reshape(()), *arrays, bits=np.int32(bits), group=np.int32(group),
-                      int8_activations=np.int32(int8), affine=np.int32(affine)))
+                      int8_activations=np.int32(int8), affine=np.int32(affine), tiled=np.int32(tiled)))
 
 
 @jax.custom_jvp
 def _quantized_matvecs(x, stacks, layer):
+    if len({s.layout for s in stacks}) > 1:  # one call reads one layout
+        by_layout = {layout: [i for i, s in enumerate(stacks) if s.layout == layout] for layout in ("rows", "tiles")}
+        outs = [None] * len(stacks)
+        for members in by_layout.values():
+            for i, out in zip(members, _quantized_matvecs(x, tuple(stacks[i] for i in members), layer)):
+                outs[i] = out
+        return tuple(outs)
     if any(s.scales.dtype not in (jnp.float16, jnp.bfloat16) for s in stacks):  # the kernel reads 16-bit scales
         return _quantized_reference(x, stacks, layer)
     if any(s.biases is not None and s.biases.dtype != s.scales.dtype for s in stacks):
+        return _quantized_reference(x, stacks, layer)
+    if stacks[0].layout == "tiles" and not (quantized_tiles_available() and stacks[0].activations == "int8"):
+        # the kernel reads tiles with VNNI and int8 activations only
         return _quantized_reference(x, stacks, layer)
     return _dispatch(_quantized_kernel, _quantized_reference, x, stacks, layer)
 
@@ -625,7 +642,7 @@ def _quantized_matvecs_jvp(primals, tangents):
                 biases_dot = None
             elif _is_zero(biases_dot):
                 biases_dot = jnp.zeros(stack.biases.shape, stack.biases.dtype)
-            weight_dot = dequantize(_layer_of(stack.packed, layer), _layer_of(scales_dot, layer), stack.bits,
+            weight_dot = dequantize(_layer_integers(stack, layer), _layer_of(scales_dot, layer), stack.bits,
                                     stack.group_size, biases=_layer_of(biases_dot, layer))
             out_dot = out_dot + jnp.einsum("...i,oi->...o", x_seen, weight_dot)
         outs_dot.append(out_dot)

@@ -24,6 +24,9 @@
 //      block's integer sum scaled by dw * dx in float32. This is the product of the
 //      dequantized weight with the dequantized activations; it reads the same bytes
 //      with about a third of the instructions.
+// Attribute `tiled` (int8 with int8 activations, AVX-512 VNNI): each stack's
+// integers are `[layers, N / 16, K / 32, 512]`, already in the order the tiles
+// multiply them (see tiles_vnni), bytes q + 128.
 
 #include <cmath>
 #include <cstdint>
@@ -75,6 +78,7 @@ struct Weights {
   const uint16_t* scales;   // [N, K / group]
   const uint16_t* biases;   // [N, K / group] (affine int4), else null
   bool half;                // float16 scales and biases (else bfloat16)
+  bool tiled;               // `packed` holds [N / 16, K / 32, 512] packed tiles
   float* out;               // [rows, N]
   int64_t N, first_chunk, chunk;
 
@@ -595,6 +599,13 @@ AVX512_VNNI void rows_vnni_fixed(const Weights& w, const QuantizedActivations& a
 // the weights' offset times the activations' block sum, so it ends exact.
 constexpr int64_t kTile = 16;
 
+// Blocks (512 bytes each) that the products over stored tiles fetch ahead in
+// software. Measured on a 2-core AMD EPYC (Qwen3-0.6B shapes, int8, the products
+// of a whole step): 8 activation rows took 32 ms with the hardware prefetchers
+// alone, 24 ms 4 blocks ahead and 19 ms 16 ahead (8 KiB; 32 and 64 no better);
+// one row 15 ms either way.
+constexpr int64_t kStoredAhead = 16;
+
 // Rows a[r] of eight 32-bit words as eight vectors, out[d] holding word d of
 // every row in lanes 0..15: 4x4 interleaves within 128-bit lanes, then the lanes
 // gathered in row order.
@@ -712,20 +723,22 @@ AVX512_VNNI inline void block_products(const __m512i* packed, const float* dw, c
     const int64_t at = (b0 + b) * blocks + j;
     const int8_t* x = a.q.data() + (b0 + b) * K + j * kBlock;
     __m512i sums = _mm512_set1_epi32(a.start[at]);
-    for (int q = 0; q < 8; ++q) sums = _mm512_dpbusd_epi32(sums, wv[q], _mm512_set1_epi32(word_at(x + 4 * q)));
+    for (int q = 0; q < 8; ++q)
+      sums = _mm512_dpbusd_epi32(sums, _mm512_loadu_si512(wv + q), _mm512_set1_epi32(word_at(x + 4 * q)));
     acc[b] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_set1_ps(a.scale[at])), scale, acc[b]);
   }
 }
 
 // A tile against B activation rows from b0: out[b, 0..15] for its 16 weight
 // rows. With `rows` (the tile's first row of integers) each chunk is packed into
-// `packed` just before its products, so that the shuffles of the packing and
-// the products share the cores' ports; without, `packed` is read as packed by an
-// earlier call. `dw`: per block the 16 rows' scales; `bias` (affine): per group
-// the 16 rows' biases, which multiply the group's input sums. (Fetching the next
-// tile ahead in software made no measurable difference.)
+// `scratch` just before its products, so that the shuffles of the packing and
+// the products share the cores' ports, and `packed` is `scratch`; without,
+// `packed` is read as it lies (packed by an earlier pass, or stored tiled).
+// `dw`: per block the 16 rows' scales; `bias` (affine): per group the 16 rows'
+// biases, which multiply the group's input sums.
 template <int Bits, int B>
-AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* packed, const float* dw, const float* bias,
+AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* scratch, const __m512i* packed, const float* dw,
+                           const float* bias,
                            const QuantizedActivations& a, int64_t b0, int64_t group, float* out, int64_t N,
                            int64_t row_bytes) {
   const int64_t K = a.K, blocks = K / kBlock, groups = K / group;
@@ -734,7 +747,11 @@ AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* packed, const float* dw
   for (int64_t c = 0; c < chunk_count<Bits>(blocks); ++c) {
     int64_t filled[2];
     const int count = chunk_blocks<Bits>(c, blocks, group, filled);
-    if (rows) pack_chunk<Bits>(rows, row_bytes, group, c, filled, count, packed);
+    if (rows) pack_chunk<Bits>(rows, row_bytes, group, c, filled, count, scratch);
+    if (!rows && packed != scratch) {  // stored tiles: one stream through the tiles of the chunk and on
+      const char* ahead = reinterpret_cast<const char*>(packed + 8 * (c + kStoredAhead));
+      for (int line = 0; line < 8; ++line) _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
     for (int i = 0; i < count; ++i) block_products<B>(packed, dw, a, b0, filled[i], acc);
   }
   if (bias)
@@ -763,7 +780,7 @@ AVX512_VNNI void tile_columns(const uint16_t* values, int64_t groups, bool half,
 }
 
 // Whole tiles of rows [n0, n1) against every activation row; returns the first
-// row left over (fewer than 16).
+// row left over (fewer than 16; none for stored tiles, whose N is whole tiles).
 template <int Bits>
 AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1,
                                int64_t group) {
@@ -784,10 +801,13 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
     if (w.biases) tile_columns(w.biases + n * groups, groups, w.half, table.data(), padded, bias.data());
     const float* biases = w.biases ? bias.data() : nullptr;
     float* out = w.out + n;
+    // Stored tiles: the 16 rows' n * K bytes lie before this tile's (int8 only).
+    const __m512i* tile = w.tiled ? reinterpret_cast<const __m512i*>(w.packed + n * K) : packed;
     for (int64_t b0 = 0; b0 < a.rows; b0 += 8) {
-      const uint8_t* rows = b0 == 0 ? w.packed + n * row_bytes : nullptr;  // packed on the first pass
+      // packed on the first pass, unless stored so
+      const uint8_t* rows = b0 == 0 && !w.tiled ? w.packed + n * row_bytes : nullptr;
       switch (a.rows - b0 < 8 ? a.rows - b0 : 8) {
-#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, dw.data(), biases, a, b0, group, out, w.N, row_bytes)
+#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, tile, dw.data(), biases, a, b0, group, out, w.N, row_bytes)
         case 1: EQX_TILE(1); break;
         case 2: EQX_TILE(2); break;
         case 3: EQX_TILE(3); break;
@@ -814,7 +834,7 @@ int64_t tile_rows_from(bool affine) {
 
 template <int Bits>
 AVX512_VNNI void rows_vnni(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1, int64_t group) {
-  if (a.rows >= tile_rows_from(w.biases != nullptr)) n0 = tiles_vnni<Bits>(w, a, n0, n1, group);
+  if (w.tiled || a.rows >= tile_rows_from(w.biases != nullptr)) n0 = tiles_vnni<Bits>(w, a, n0, n1, group);
   std::vector<float> scratch(2 * (a.K / group) + 8 * (a.K / kBlock));
   for (int64_t b0 = 0; b0 < a.rows; b0 += 8) {
     float* s = scratch.data();
@@ -973,7 +993,7 @@ int64_t chunk_rows(int64_t K, int64_t activation_rows) {
 
 ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer, ffi::RemainingArgs stacks,
                            ffi::RemainingRets outs, int32_t bits, int32_t group, int32_t int8_activations,
-                           int32_t affine) {
+                           int32_t affine, int32_t tiled) {
   auto x_dims = x.dimensions();
   const size_t per_stack = affine ? 3 : 2;
   if (x_dims.size() < 1 || stacks.size() == 0 || stacks.size() != per_stack * outs.size())
@@ -982,6 +1002,9 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
   if ((bits != 8 && bits != 4) || group < 32 || group % 32)
     return ffi::Error::InvalidArgument("quantized_matvec: bits must be 8 or 4 and the group a multiple of 32");
   if (affine && bits != 4) return ffi::Error::InvalidArgument("quantized_matvec: affine weights are int4 only");
+  if (tiled && (bits != 8 || !int8_activations || !kHasVnni))
+    return ffi::Error::InvalidArgument(
+        "quantized_matvec: stored tiles are int8 with int8 activations, on a CPU with AVX-512 VNNI");
   if (bits == 4 && group != 32 && group != 64 && group != 128)
     return ffi::Error::InvalidArgument("quantized_matvec: int4 groups are 32, 64 or 128 inputs");
   const int64_t K = x_dims.back();
@@ -998,14 +1021,19 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
       return ffi::Error::InvalidArgument("quantized_matvec: inputs and outputs must be arrays, outputs float32");
     auto p = packed->dimensions(), s = scales->dimensions();
     const auto integer = packed->element_type();
-    if (integer != (bits == 8 ? ffi::DataType::S8 : ffi::DataType::U8))
-      return ffi::Error::InvalidArgument("quantized_matvec: int8 weights are s8, int4 weights packed in u8");
+    if (integer != (bits == 8 && !tiled ? ffi::DataType::S8 : ffi::DataType::U8))
+      return ffi::Error::InvalidArgument(
+          "quantized_matvec: int8 weights are s8 (u8 q + 128 when tiled), int4 weights packed in u8");
     if (scales->element_type() != ffi::DataType::F16 && scales->element_type() != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("quantized_matvec: scales must be float16 or bfloat16");
-    if (p.size() != 3 || s.size() != 3 || p[2] != row_bytes || s[2] != groups || s[0] != p[0] || s[1] != p[1])
-      return ffi::Error::InvalidArgument("quantized_matvec: want [layers, N, K * bits / 8] and [layers, N, K / group]");
+    if (s.size() != 3 || s[2] != groups)
+      return ffi::Error::InvalidArgument("quantized_matvec: want scales [layers, N, K / group]");
+    if (tiled ? p.size() != 4 || p[0] != s[0] || p[1] * 16 != s[1] || p[2] * kBlock != K || p[3] != 16 * kBlock
+              : p.size() != 3 || p[2] != row_bytes || s[0] != p[0] || s[1] != p[1])
+      return ffi::Error::InvalidArgument(tiled ? "quantized_matvec: want tiles [layers, N / 16, K / 32, 512]"
+                                               : "quantized_matvec: want [layers, N, K * bits / 8]");
     if (index < 0 || index >= p[0]) return ffi::Error::InvalidArgument("quantized_matvec: layer index out of range");
-    const int64_t N = p[1], chunk = chunk_rows(K, rows);
+    const int64_t N = s[1], chunk = chunk_rows(K, rows);
     const uint16_t* biases = nullptr;
     if (affine) {
       auto b = stacks.get<ffi::AnyBuffer>(per_stack * j + 2);
@@ -1016,7 +1044,8 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     }
     weights.push_back({static_cast<const uint8_t*>(packed->untyped_data()) + index * N * row_bytes,
                        static_cast<const uint16_t*>(scales->untyped_data()) + index * N * groups, biases,
-                       scales->element_type() == ffi::DataType::F16, (*y)->typed_data(), N, chunks, chunk});
+                       scales->element_type() == ffi::DataType::F16, tiled != 0, (*y)->typed_data(), N, chunks,
+                       chunk});
     chunks += (N + chunk - 1) / chunk;
   }
   const float* xs = x.typed_data();
@@ -1052,4 +1081,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxQuantizedMatvec, QuantizedMatvec,
                                   .Attr<int32_t>("bits")
                                   .Attr<int32_t>("group")
                                   .Attr<int32_t>("int8_activations")
-                                  .Attr<int32_t>("affine"));
+                                  .Attr<int32_t>("affine")
+                                  .Attr<int32_t>("tiled"));

@@ -1,0 +1,152 @@
+"""The "tiles" layout of int8 weights: sixteen output rows stored as the CPU
+kernel multiplies them (see `eqx_models.quantization`)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_cache import random_ids, small_model
+from test_quantization import arrays_equal, close_to_float64, float_checkpoint, heavy_tailed, layer_weight
+from test_quantization import product_float64
+
+import eqx_models
+from eqx_models.kernels import quantized_matvecs
+from eqx_models.quantization import (
+    QuantizedWeight,
+    quantize,
+    quantize_weight,
+    rows_to_tiles,
+    tiles_in_place,
+    tiles_fit,
+    tiles_pay,
+    tiles_to_rows,
+    with_activations,
+    with_layout,
+)
+
+__all__ = ["float_checkpoint"]  # a module fixture, shared with test_quantization
+
+is_quantized = lambda node: isinstance(node, QuantizedWeight)
+
+
+def layouts(model) -> set[str]:
+    return {w.layout for w in jax.tree.leaves(model, is_leaf=is_quantized) if is_quantized(w)}
+
+
+def picked_by_auto(model) -> bool:
+    """Whether every quantized weight of `model` holds the layout `layout="auto"` gives it."""
+    fits = lambda w: tiles_pay() and tiles_fit(w.bits, w.activations, w.shape)
+    weights = [w for w in jax.tree.leaves(model, is_leaf=is_quantized) if is_quantized(w)]
+    return all(w.layout == ("tiles" if fits(w) else "rows") for w in weights)
+
+
+def test_tiles_hold_the_integers_in_the_documented_order():
+    rows = quantize_weight(heavy_tailed((2, 48, 96)), 8, 32)
+    tiles = quantize_weight(heavy_tailed((2, 48, 96)), 8, 32, layout="tiles")
+    q, t = np.asarray(rows.packed), np.asarray(tiles.packed)
+    assert t.shape == (2, 3, 3, 512) and t.dtype == np.uint8 and tiles.shape == rows.shape == (2, 48, 96)
+    for layer, tile, block, v, r, i in [(0, 0, 0, 0, 0, 0), (1, 2, 1, 7, 15, 3), (0, 1, 2, 3, 9, 2), (1, 0, 2, 5, 4, 1)]:
+        assert t[layer, tile, block, 64 * v + 4 * r + i] == (int(q[layer, 16 * tile + r, 32 * block + 4 * v + i]) + 128)
+    np.testing.assert_array_equal(np.asarray(tiles_to_rows(tiles.packed)), q)
+    np.testing.assert_array_equal(np.asarray(rows_to_tiles(rows.packed)), t)
+    host = q.copy()
+    np.testing.assert_array_equal(tiles_in_place(host), t)
+    np.testing.assert_array_equal(np.asarray(tiles.dequantize()), np.asarray(rows.dequantize()))
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 16, 100])
+def test_tiled_products_equal_the_float64_product(group_size, rows):
+    """304 output rows of 1024 inputs: several chunks of whole tiles, from one
+    activation row (decode) to a prompt's."""
+    stack = quantize_weight(heavy_tailed((2, 304, 1024), seed=rows), 8, group_size, layout="tiles")
+    x = jax.random.normal(jax.random.key(rows), (rows, 1024))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
+    close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
+
+
+def test_one_call_takes_stacks_of_both_layouts():
+    tiled = quantize_weight(heavy_tailed((2, 32, 128), seed=1), 8, 32, layout="tiles")
+    rows = quantize_weight(heavy_tailed((2, 24, 128), seed=2), 8, 32)  # 24 rows: no whole tiles
+    x = jax.random.normal(jax.random.key(0), (3, 128))
+    outs = jax.jit(quantized_matvecs)(x, (rows, tiled, rows), jnp.int32(0))
+    for out, stack in zip(outs, (rows, tiled, rows)):
+        close_to_float64(out, product_float64(x, stack, 0), x, np.abs(layer_weight(stack, 0)))
+
+
+def test_embedding_rows_of_tiles_are_the_rows_of_the_weight():
+    tiled = quantize_weight(heavy_tailed((64, 96)), 8, 32, layout="tiles")
+    ids = jnp.asarray([[0, 17, 63], [16, 15, 31]])
+    np.testing.assert_array_equal(np.asarray(tiled.take_rows(ids)), np.asarray(tiled.dequantize()[ids]))
+
+
+def test_a_tiled_model_computes_what_its_rows_compute():
+    model = small_model()  # widths 32 / 64 / 101: the vocabulary (101 rows) keeps rows
+    tiled, rows = quantize(model, 8, layout="tiles"), quantize(model, 8, layout="rows")
+    assert tiled.model.layers.mlp.up_proj.weight.layout == "tiles"
+    assert tiled.model.embed_tokens.weight.layout == "rows"
+    ids = random_ids((2, 9)) % 101
+    np.testing.assert_allclose(np.asarray(tiled(ids)[0]), np.asarray(rows(ids)[0]), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(eqx_models.generate(tiled, ids, max_new_tokens=6),
+                                  eqx_models.generate(rows, ids, max_new_tokens=6))
+    assert layouts(with_layout(tiled, "rows")) == {"rows"}
+    assert arrays_equal(with_layout(tiled, "rows"), rows)
+    # The float-activation path reads rows.
+    assert layouts(with_activations(tiled, "float")) == {"rows"}
+
+
+def test_auto_takes_tiles_where_the_kernel_runs_them(float_checkpoint, tmp_path):
+    """quantize, from_pretrained and a reload of a saved int8 checkpoint all pick
+    the layout by `tiles_pay()`; the file always holds rows."""
+    from safetensors import safe_open
+
+    quantized = eqx_models.from_pretrained(float_checkpoint, quantize="int8")
+    assert picked_by_auto(quantized)
+    assert quantized.model.layers.mlp.up_proj.weight.layout == ("tiles" if tiles_pay() else "rows")
+    assert quantized.model.embed_tokens.weight.layout == "rows"  # 97 rows: not whole tiles
+    assert arrays_equal(quantized, quantize(eqx_models.from_pretrained(float_checkpoint), 8))
+    eqx_models.save_pretrained(quantized, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "np") as f:
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_dtype() == "I8"
+        assert f.get_slice("model.layers.0.mlp.up_proj.weight").get_shape() == [128, 64]
+        np.testing.assert_array_equal(f.get_tensor("model.layers.1.mlp.up_proj.weight"),
+                                      np.asarray(quantized.model.layers.mlp.up_proj.weight.row_integers()[1]))
+    reloaded = eqx_models.from_pretrained(tmp_path)
+    assert picked_by_auto(reloaded) and arrays_equal(reloaded, quantized)
+    ids = random_ids((1, 6)) % 97
+    np.testing.assert_array_equal(eqx_models.generate(reloaded, ids, max_new_tokens=5),
+                                  eqx_models.generate(with_layout(quantized, "rows"), ids, max_new_tokens=5))
+
+
+def test_a_sharded_model_holds_rows():
+    from eqx_models.sharding import shard_model
+
+    model = quantize(small_model(), 8, layout="tiles")
+    mesh = jax.make_mesh((1,), ("tensor",))
+    assert layouts(shard_model(model, mesh)) == {"rows"}
+
+
+def test_merging_adapters_into_a_tiled_base_keeps_its_layout():
+    from eqx_models.lora import apply_lora, merge_lora
+
+    model = quantize(small_model(), 8, layout="tiles")
+    merged = merge_lora(apply_lora(model, rank=2, targets="up_proj", key=jax.random.key(0)))
+    assert merged.model.layers.mlp.up_proj.weight.layout == "tiles"
+
+
+def test_tiles_where_they_do_not_fit_are_refused_with_the_fix():
+    with pytest.raises(ValueError, match="int4 ones are held as rows"):
+        quantize_weight(heavy_tailed((32, 64)), 4, 32, layout="tiles")
+    with pytest.raises(ValueError, match="16 output rows a tile"):
+        quantize_weight(heavy_tailed((24, 64)), 8, 32, layout="tiles")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        quantize(small_model(), 8, layout="diagonal")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        with_layout(small_model(), "columns")
+    int4 = quantize(small_model(), 4)
+    assert layouts(with_layout(int4, "tiles")) == {"rows"}
+    weight = quantize_weight(heavy_tailed((32, 64)), 8, 32, layout="tiles")
+    with pytest.raises(ValueError, match="do not match scales"):
+        dataclasses.replace(weight, scales=weight.scales[:16])
