@@ -49,13 +49,27 @@ class Sampling:
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}.")
 
 
+def greedy_tokens(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:
+    """`jnp.argmax(logits, axis=-1)`: the first position of the largest value (of
+    the first NaN, if any), as int32.
+
+    Two plain reductions: XLA:CPU's argmax is one reduction over (value, index)
+    pairs that it does not vectorize, 0.67 ms over a row of 151,936 logits
+    against 0.14 ms this way (2-core AMD EPYC), 3% of an int8 decode step.
+    """
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    positions = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    first = (logits == top) | jnp.isnan(logits)  # a NaN is the max (NumPy's rule); it equals nothing
+    return jnp.min(jnp.where(first, positions, logits.shape[-1]), axis=-1)
+
+
 def sample_tokens(
     logits: Float[Array, "batch vocab"], key: PRNGKeyArray, sampling: Sampling
 ) -> Int[Array, " batch"]:
     """Picks one token per row: argmax, or a draw after temperature, top-k and top-p."""
     logits = logits.astype(jnp.float32)
     if sampling.temperature == 0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_tokens(logits)
     logits = logits / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]

@@ -144,3 +144,25 @@ def test_the_cli_decodes_with_an_int8_kv_cache(capsys, stories, stories_tokenize
     tokens = eqx_models.generate(stories, case["prompt_ids"], max_new_tokens=steps, cache_dtype="int8")[0].tolist()
     full = stories_tokenizer.decode(case["prompt_ids"] + tokens)
     assert out == full[len(stories_tokenizer.decode(case["prompt_ids"])):] + "\n"
+
+
+def test_greedy_tokens_are_numpys_argmax():
+    """First position of the largest value; a NaN counts as the largest (as in
+    NumPy and XLA); rows of -inf pick 0; float16 and bfloat16 logits too."""
+    import jax.numpy as jnp
+
+    from eqx_models.generation import greedy_tokens
+
+    rng = np.random.default_rng(0)
+    rows = rng.normal(size=(6, 151936)).astype(np.float32)
+    rows[1, [7, 90000]] = 50.0  # a tie: the first
+    rows[2, [5, 151935]] = np.nan
+    rows[3] = -np.inf
+    rows[4, -1] = 99.0
+    rows[5, [3, 4]] = [np.inf, np.inf]
+    for dtype in (jnp.float32, jnp.float16, jnp.bfloat16):
+        logits = jnp.asarray(rows, dtype)
+        got = np.asarray(greedy_tokens(logits))
+        assert got.dtype == np.int32
+        np.testing.assert_array_equal(got, np.argmax(np.asarray(logits, np.float32), axis=-1))
+    assert int(greedy_tokens(jnp.asarray([1.0, 3.0, 2.0]))) == 1

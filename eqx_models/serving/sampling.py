@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from ..generation import greedy_tokens
+
 # Most alternatives per token `logprobs` may ask for (vLLM's default limit).
 MAX_LOGPROBS = 20
 
@@ -88,7 +90,7 @@ def sample_rows(
     170 ms for 32 rows of 151,936 here).
     """
     logits = logits.astype(jnp.float32)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_tokens(logits)
     if not sampled:
         return greedy
     scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
