@@ -161,20 +161,20 @@ class QuantizedWeight(eqx.Module):
         """Rows of the dequantized weight (an embedding lookup), reading only those
         rows (tiled: only the tiles that hold them)."""
         take = lambda a: None if a is None else jnp.take(a, rows, axis=-2)
-        if self.layout == "tiles":
-            tiles = jnp.take(self.packed, rows // TILE_ROWS, axis=-3)  # [..., batch, blocks, 512]
-            *lead, blocks, _ = tiles.shape
-            words = tiles.reshape(*lead, blocks, 8, TILE_ROWS, 4)
-            within = (rows % TILE_ROWS)[..., None, None, None, None]
-            picked = jnp.take_along_axis(words, jnp.broadcast_to(within, (*lead, blocks, 8, 1, 4)), axis=-2)
-            integers = (picked.reshape(*lead, blocks * TILE_BLOCK) ^ 0x80).view(jnp.int8)
+        if self.layout == "tiles":  # each row's tile as its 16 rows, then the row within it
+            tiles = jnp.take(self.packed, rows // TILE_ROWS, axis=-3)[..., None, :, :]
+            within = (rows % TILE_ROWS)[..., None, None]
+            integers = jnp.take_along_axis(tiles_to_rows(tiles), within, axis=-2)[..., 0, :]
         else:
             integers = take(self.packed)
         return dequantize(integers, take(self.scales), self.bits, self.group_size, self.float_dtype, take(self.biases))
 
 
-def rows_to_tiles(packed: Shaped[Array, "*stack out in"]) -> Shaped[Array, "*stack tiles blocks 512"]:
-    """int8 integers `[..., out, in]` in the "tiles" layout (see the module docstring)."""
+def rows_to_tiles(
+    packed: Shaped[Array | np.ndarray, "*stack out in"],
+) -> Shaped[Array | np.ndarray, "*stack tiles blocks 512"]:
+    """int8 integers `[..., out, in]` in the "tiles" layout (see the module
+    docstring); a NumPy array gives a NumPy array."""
     *stack, out, width = packed.shape
     tiles = (packed.view(jnp.uint8) ^ 0x80).reshape(*stack, out // TILE_ROWS, TILE_ROWS, width // TILE_BLOCK, 8, 4)
     n = len(stack)
@@ -182,8 +182,10 @@ def rows_to_tiles(packed: Shaped[Array, "*stack out in"]) -> Shaped[Array, "*sta
     return tiles.transpose(order).reshape(*stack, out // TILE_ROWS, width // TILE_BLOCK, TILE_ROWS * TILE_BLOCK)
 
 
-def tiles_to_rows(tiles: Shaped[Array, "*stack tiles blocks 512"]) -> Shaped[Array, "*stack out in"]:
-    """The int8 integers `[..., out, in]` of the "tiles" layout."""
+def tiles_to_rows(
+    tiles: Shaped[Array | np.ndarray, "*stack tiles blocks 512"],
+) -> Shaped[Array | np.ndarray, "*stack out in"]:
+    """The int8 integers `[..., out, in]` of the "tiles" layout (NumPy in, NumPy out)."""
     *stack, count, blocks, _ = tiles.shape
     words = tiles.reshape(*stack, count, blocks, 8, TILE_ROWS, 4)
     n = len(stack)
@@ -197,11 +199,10 @@ def tiles_in_place(packed: np.ndarray) -> np.ndarray:
     layout, one matrix at a time (so loading holds one matrix's copy, not the
     leaf's); returns the same memory as uint8 `[..., out / 16, in / 32, 512]`."""
     *stack, out, width = packed.shape
-    flat = packed.reshape(-1, out * width).view(np.uint8)
-    for matrix in flat:
-        words = (matrix ^ 0x80).reshape(out // TILE_ROWS, TILE_ROWS, width // TILE_BLOCK, 8, 4)
-        matrix[:] = words.transpose(0, 2, 3, 1, 4).reshape(-1)
-    return flat.reshape(*stack, out // TILE_ROWS, width // TILE_BLOCK, TILE_ROWS * TILE_BLOCK)
+    matrices = packed.reshape(-1, out, width)
+    for matrix in matrices:
+        matrix.view(np.uint8).reshape(-1)[:] = rows_to_tiles(matrix).reshape(-1)
+    return matrices.view(np.uint8).reshape(*stack, out // TILE_ROWS, width // TILE_BLOCK, TILE_ROWS * TILE_BLOCK)
 
 
 def tiles_fit(bits: int, activations: str, shape: tuple[int, ...]) -> bool:
@@ -220,6 +221,11 @@ def tiles_pay() -> bool:
     return quantized_tiles_available() and jax.device_count() == 1
 
 
+def _check_layout(layout: str) -> None:
+    if layout not in LAYOUTS + ("auto",):
+        raise ValueError(f"layout must be one of {LAYOUTS + ('auto',)}, got {layout!r}.")
+
+
 def with_layout(model, layout: str):
     """`model` with every quantized weight that fits (`tiles_fit`) in `layout`:
     "rows", "tiles", or "auto" ("tiles" where `tiles_pay()`, else "rows").
@@ -227,8 +233,7 @@ def with_layout(model, layout: str):
     Raises:
         ValueError: an unknown layout.
     """
-    if layout not in LAYOUTS + ("auto",):
-        raise ValueError(f"layout must be one of {LAYOUTS + ('auto',)}, got {layout!r}.")
+    _check_layout(layout)
     if layout == "auto":
         layout = "tiles" if tiles_pay() else "rows"
     is_quantized = lambda node: isinstance(node, QuantizedWeight)
@@ -464,8 +469,7 @@ def quantize(
         through `Linear`).
     """
     _check(0, bits, group_size, mode)
-    if layout not in LAYOUTS + ("auto",):
-        raise ValueError(f"layout must be one of {LAYOUTS + ('auto',)}, got {layout!r}.")
+    _check_layout(layout)
     swaps = []
     for path, node, axes in quantizable_layers(model, embeddings=embeddings, lm_head=lm_head, experts=experts):
         if node.weight.shape[-1] % group_size:
