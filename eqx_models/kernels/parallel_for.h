@@ -64,9 +64,12 @@ class HelperPool {
     while (finished_.load(std::memory_order_acquire) < count) cpu_relax();
   }
 
+  // The calling thread and the helpers.
+  int threads() const { return threads_; }
+
  private:
-  HelperPool() {
-    for (int i = 1; i < usable_cores(); ++i) std::thread([this] { loop(); }).detach();
+  HelperPool() : threads_(usable_cores()) {
+    for (int i = 1; i < threads_; ++i) std::thread([this] { loop(); }).detach();
   }
 
   // The cores this process may run on (its affinity mask, which containers and
@@ -114,6 +117,7 @@ class HelperPool {
     }
   }
 
+  const int threads_;
   std::mutex job_mutex_, sleep_mutex_;
   std::condition_variable wake_;
   std::atomic<uint64_t> generation_{0};
@@ -121,6 +125,9 @@ class HelperPool {
   int64_t count_ = 0;
   std::function<void(int64_t)> task_;
 };
+
+// How many threads parallel_for runs a job on.
+inline int64_t parallel_threads() { return HelperPool::instance().threads(); }
 
 template <typename Task>
 void parallel_for(int64_t count, const Task& task) {
