@@ -67,6 +67,26 @@ def test_tiled_products_equal_the_float64_product(group_size, rows):
     close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
 
 
+@pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
+@pytest.mark.parametrize("kind, in_features, group_size", [
+    ("int8-tiles", 96, 32), ("int8-tiles", 416, 32), ("int8-tiles", 320, 64), ("int8", 416, 32),
+    ("int4", 416, 32), ("int4-affine", 320, 64),
+])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_tiles_read_scales_of_any_group_count(kind, in_features, group_size, scale_dtype, rows):
+    """The tiles take their 16 rows' scales eight groups at a time: group counts that
+    are not a multiple of eight (3, 13, 5), in float16 and bfloat16, for stored tiles
+    and for rows packed into tiles on the way (int8 and int4 from 4 activation rows,
+    affine int4 from 2)."""
+    bits, mode = {"int8-tiles": (8, "symmetric"), "int8": (8, "symmetric"), "int4": (4, "symmetric"),
+                  "int4-affine": (4, "affine")}[kind]
+    stack = quantize_weight(heavy_tailed((2, 48, in_features), seed=in_features), bits, group_size, mode=mode,
+                            scale_dtype=scale_dtype, layout="tiles" if kind == "int8-tiles" else "rows")
+    x = jax.random.normal(jax.random.key(rows), (rows, in_features))
+    (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
+    close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
+
+
 def test_one_call_takes_stacks_of_both_layouts():
     tiled = quantize_weight(heavy_tailed((2, 32, 128), seed=1), 8, 32, layout="tiles")
     rows = quantize_weight(heavy_tailed((2, 24, 128), seed=2), 8, 32)  # 24 rows: no whole tiles

@@ -775,20 +775,23 @@ AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* scratch, const __m512i*
   for (int b = 0; b < B; ++b) _mm512_storeu_ps(out + (b0 + b) * N, acc[b]);
 }
 
-// The 16 rows' 16-bit floats (`values[r * groups + g]`) as float32 columns,
-// `columns[16 * g + r]`: each row widened into `table` ([16, padded], `padded` a
-// multiple of 8), then eight columns at a time transposed in registers. (A gather
-// per column was slower: gathers are microcoded where the CPU's data-sampling
-// mitigations are on.)
-AVX512_VNNI void tile_columns(const uint16_t* values, int64_t groups, bool half, float* table, int64_t padded,
-                              float* columns) {
-  for (int64_t r = 0; r < kTile; ++r) widen(values + r * groups, half, groups, table + r * padded);
+// The 16 rows' 16-bit floats (`values[r * groups + g]`, float16 if `half`, else
+// bfloat16) as float32 columns, `columns[16 * g + r]`: eight groups of each row
+// widened in a register, then transposed in registers. (A gather per column was
+// slower: gathers are microcoded where the CPU's data-sampling mitigations are on.
+// Widening the rows into a table first cost a store and a load per value.)
+AVX512_VNNI void tile_columns(const uint16_t* values, int64_t groups, bool half, float* columns) {
   __m256i a[16];
   __m512i t[8];
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
-    for (int r = 0; r < 16; ++r) a[r] = _mm256_castps_si256(_mm256_loadu_ps(table + r * padded + g0));
+    const int64_t count = std::min<int64_t>(8, groups - g0);
+    const __mmask8 lanes = static_cast<__mmask8>((1u << count) - 1);
+    for (int r = 0; r < 16; ++r) {
+      const __m128i raw = _mm_maskz_loadu_epi16(lanes, values + r * groups + g0);
+      a[r] = half ? _mm256_castps_si256(_mm256_cvtph_ps(raw)) : _mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16);
+    }
     transpose_16x8(a, t);
-    for (int64_t d = 0; d < 8 && g0 + d < groups; ++d) _mm512_storeu_ps(columns + kTile * (g0 + d), _mm512_castsi512_ps(t[d]));
+    for (int64_t d = 0; d < count; ++d) _mm512_storeu_ps(columns + kTile * (g0 + d), _mm512_castsi512_ps(t[d]));
   }
 }
 
@@ -802,9 +805,11 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
   if (n1 - n0 < kTile) return n0;
   std::unique_ptr<uint8_t[]> storage(new uint8_t[64 * (8 * blocks + 1)]);  // 64-byte aligned vectors within
   __m512i* packed = reinterpret_cast<__m512i*>((reinterpret_cast<uintptr_t>(storage.get()) + 63) & ~uintptr_t{63});
-  const int64_t padded = (groups + 7) / 8 * 8;
-  std::vector<float> dw(kTile * blocks), bias(w.biases ? kTile * groups : 0), columns(kTile * groups);
-  std::vector<float> table(kTile * padded, 0.0f);
+  // Per block the 16 rows' scales: a group's column, repeated for each of its blocks
+  // (groups of 32: the columns themselves).
+  std::vector<float> columns(kTile * groups), repeated(per_group > 1 ? kTile * blocks : 0);
+  std::vector<float> bias(w.biases ? kTile * groups : 0);
+  const float* dw = per_group > 1 ? repeated.data() : columns.data();
   int64_t n = n0;
   const int64_t tile_scale_bytes = kTile * groups * sizeof(uint16_t);
   if (w.tiled) {  // the chunk's first blocks and scales; the products fetch the rest on the way
@@ -813,11 +818,12 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
   }
   for (; n + kTile <= n1; n += kTile) {
     if (w.tiled) prefetch(w.scales + (n + kTile) * groups, tile_scale_bytes);  // the next tile's
-    tile_columns(w.scales + n * groups, groups, w.half, table.data(), padded, columns.data());
-    for (int64_t g = 0; g < groups; ++g)
-      for (int64_t i = 0; i < per_group; ++i)
-        std::memcpy(dw.data() + kTile * (g * per_group + i), columns.data() + kTile * g, kTile * sizeof(float));
-    if (w.biases) tile_columns(w.biases + n * groups, groups, w.half, table.data(), padded, bias.data());
+    tile_columns(w.scales + n * groups, groups, w.half, columns.data());
+    if (per_group > 1)
+      for (int64_t g = 0; g < groups; ++g)
+        for (int64_t i = 0; i < per_group; ++i)
+          std::memcpy(repeated.data() + kTile * (g * per_group + i), columns.data() + kTile * g, kTile * sizeof(float));
+    if (w.biases) tile_columns(w.biases + n * groups, groups, w.half, bias.data());
     const float* biases = w.biases ? bias.data() : nullptr;
     float* out = w.out + n;
     // Stored tiles: the 16 rows' n * K bytes lie before this tile's (int8 only).
@@ -826,7 +832,7 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
       // packed on the first pass, unless stored so
       const uint8_t* rows = b0 == 0 && !w.tiled ? w.packed + n * row_bytes : nullptr;
       switch (a.rows - b0 < 8 ? a.rows - b0 : 8) {
-#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, tile, dw.data(), biases, a, b0, group, out, w.N, row_bytes)
+#define EQX_TILE(B) tile_rows<Bits, B>(rows, packed, tile, dw, biases, a, b0, group, out, w.N, row_bytes)
         case 1: EQX_TILE(1); break;
         case 2: EQX_TILE(2); break;
         case 3: EQX_TILE(3); break;
