@@ -21,7 +21,7 @@ from .models import architecture_for
 from .nn.causal_lm import CausalLM
 from .quantization import QuantizationSpec, QuantizedWeight, quantize_weight, spec_for, spec_from_hf, spec_of
 from .quantization import quantize as quantize_model
-from .quantization import rows_to_tiles, tiles_fit, tiles_in_place, tiles_pay, with_layout
+from .quantization import rows_to_tiles, scales_to_tiles, tiles_fit, tiles_in_place, tiles_pay, with_layout
 from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
 from .sharding import ShardingRules, placement_for, shard_model, shardings
 
@@ -311,8 +311,10 @@ def from_pretrained(
         # Scales and integers keep their dtype; floats take `dtype`.
         leaf_dtype = None if _leaf_names(path).endswith(tuple(QUANTIZED_LEAVES)) else target_dtype
         quantized = spec if tuple(path) in quantized_paths else None
-        # A saved weight's integers, or a weight quantized as it loads, in tiles.
-        tiles = tuple(path) in tiled or (getattr(path[-1], "name", None) == "packed" and tuple(path[:-1]) in tiled)
+        # In tiles: a weight quantized as it loads ("weight"), or a saved weight's
+        # integers ("packed") or scales ("scales").
+        part = getattr(path[-1], "name", None)
+        tiles = "weight" if tuple(path) in tiled else part if part in _TILED and tuple(path[:-1]) in tiled else None
         plan.append((names, stacked, target, transposed, leaf_dtype, quantized, tiles))
     unexpected = sorted(
         n
@@ -332,9 +334,9 @@ def from_pretrained(
     def load(entry):
         names, stacked, target, transposed, leaf_dtype, quantized, tiles = entry
         if quantized is not None:
-            return _load_quantized_leaf(source, names, stacked, quantized, transposed, tiles)
-        leaf = _load_leaf(source, names, stacked, leaf_dtype, target, map_weights and not tiles, transposed)
-        return rows_to_tiles(leaf) if tiles else leaf
+            return _load_quantized_leaf(source, names, stacked, quantized, transposed, tiles == "weight")
+        leaf = _load_leaf(source, names, stacked, leaf_dtype, target, map_weights and tiles is None, transposed)
+        return _TILED[tiles](leaf) if tiles else leaf
 
     # Reading is copying from the page cache (or disk) in the kernel, outside the
     # GIL: one thread per core overlaps the copies and the page faults of new buffers.
@@ -419,7 +421,7 @@ def _load_quantized_leaf(
         for i, name in enumerate(names):
             quantize_matrix(i, lambda rows, into: source.read_into(name, into, rows))
         if tiles:
-            outputs[0] = tiles_in_place(packed)
+            outputs[:2] = tiles_in_place(packed), np.ascontiguousarray(scales_to_tiles(outputs[1]))
         return tuple(map(_to_jax, outputs))
     whole = np.empty(tensor_shape, np.float32)
     for i, name in enumerate(names):
@@ -429,8 +431,12 @@ def _load_quantized_leaf(
             matrix = matrix.T if transposed else matrix
             quantize_matrix(i * len(matrices) + j, lambda rows, into: np.copyto(into, matrix[rows.start : rows.stop]))
     if tiles:
-        outputs[0] = tiles_in_place(packed)
+        outputs[:2] = tiles_in_place(packed), np.ascontiguousarray(scales_to_tiles(outputs[1]))
     return tuple(map(_to_jax, outputs))
+
+
+# A saved quantized weight's arrays as the tiles layout holds them.
+_TILED = {"packed": rows_to_tiles, "scales": scales_to_tiles}
 
 
 def _load_leaf(

@@ -28,9 +28,10 @@ Layout: `layout="rows"` keeps each output row's integers together (`[..., out,
 in * bits / 8]`, what checkpoints hold). `layout="tiles"` (int8 only) stores them
 as the CPU kernel multiplies them, sixteen output rows at a time:
 `[..., out / 16, in / 32, 512]` bytes `q + 128`, byte `64 * v + 4 * r + i` of
-block `j` of tile `t` being input `32 * j + 4 * v + i` of row `16 * t + r`. The
-kernel then reads the bytes as they lie instead of transposing each tile per
-call (as llama.cpp repacks its Q8_0 weights at load). `quantize` and
+block `j` of tile `t` being input `32 * j + 4 * v + i` of row `16 * t + r`, and
+the scales `[..., out / 16, groups, 16]`, a tile's sixteen rows side by side per
+group. The kernel then reads the bytes and scales as they lie instead of
+transposing each tile per call (as llama.cpp repacks its Q8_0 weights at load). `quantize` and
 `from_pretrained` pick it where it pays (`layout="auto"`: a CPU with AVX-512
 VNNI, one device); `save_pretrained` writes rows whatever the layout in memory.
 """
@@ -83,7 +84,8 @@ class QuantizedWeight(eqx.Module):
 
     # rows: [*stack, out, in * bits / 8]; tiles: [*stack, out / 16, in / 32, 512]
     packed: Shaped[Array, "..."]
-    scales: Float[Array, "*stack out groups"]
+    # rows: [*stack, out, groups]; tiles: [*stack, out / 16, groups, 16]
+    scales: Float[Array, "..."]
     bits: int = eqx.field(static=True)
     group_size: int = eqx.field(static=True)
     axes: tuple[str | None, str | None] = eqx.field(static=True)
@@ -108,7 +110,7 @@ class QuantizedWeight(eqx.Module):
             if self.bits != 8 or tile_bytes != TILE_ROWS * TILE_BLOCK:
                 raise ValueError(f"QuantizedWeight: the tiles layout holds int8 as [..., out / {TILE_ROWS}, in / "
                                  f"{TILE_BLOCK}, {TILE_ROWS * TILE_BLOCK}], got bits={self.bits}, {self.packed.shape}.")
-            if tuple(self.scales.shape) != (*stack, tiles * TILE_ROWS, blocks * TILE_BLOCK // self.group_size):
+            if tuple(self.scales.shape) != (*stack, tiles, blocks * TILE_BLOCK // self.group_size, TILE_ROWS):
                 raise ValueError(f"QuantizedWeight: tiles {self.packed.shape} do not match scales {self.scales.shape}.")
             return
         per_byte = 8 // self.bits
@@ -122,8 +124,8 @@ class QuantizedWeight(eqx.Module):
     def array_axes(self) -> dict[str, tuple[str | None, ...]]:
         # Both arrays split like the float weight: a device's share of the input
         # axis holds whole groups as long as it is a multiple of group_size.
-        return {"packed": self.axes + ((None,) if self.layout == "tiles" else ()), "scales": self.axes,
-                "biases": self.axes}
+        tile_axis = (None,) if self.layout == "tiles" else ()
+        return {"packed": self.axes + tile_axis, "scales": self.axes + tile_axis, "biases": self.axes}
 
     @property
     def mode(self) -> str:
@@ -145,12 +147,16 @@ class QuantizedWeight(eqx.Module):
     def dequantize(self, dtype=None) -> Float[Array, "*stack out in"]:
         """The float weight these integers and scales stand for (in `dtype`, by
         default the weight's dtype before quantization)."""
-        return dequantize(self.row_integers(), self.scales, self.bits, self.group_size, dtype or self.float_dtype,
-                          self.biases)
+        return dequantize(self.row_integers(), self.row_scales(), self.bits, self.group_size,
+                          dtype or self.float_dtype, self.biases)
 
     def row_integers(self) -> Shaped[Array, "*stack out packed_in"]:
         """The integers in the "rows" layout (`packed` itself unless tiled)."""
         return tiles_to_rows(self.packed) if self.layout == "tiles" else self.packed
+
+    def row_scales(self) -> Float[Array, "*stack out groups"]:
+        """The scales in the "rows" layout (`scales` itself unless tiled)."""
+        return tile_scales_to_rows(self.scales) if self.layout == "tiles" else self.scales
 
     def prepare_input(self, x: Float[Array, "*rows in"]) -> Float[Array, "*rows in"]:
         """`x` as the products with this weight see it (`quantize_activations` with
@@ -167,7 +173,8 @@ class QuantizedWeight(eqx.Module):
             integers = jnp.take_along_axis(tiles_to_rows(tiles), within, axis=-2)[..., 0, :]
         else:
             integers = take(self.packed)
-        return dequantize(integers, take(self.scales), self.bits, self.group_size, self.float_dtype, take(self.biases))
+        scales = take(self.row_scales())
+        return dequantize(integers, scales, self.bits, self.group_size, self.float_dtype, take(self.biases))
 
 
 def rows_to_tiles(
@@ -192,6 +199,23 @@ def tiles_to_rows(
     order = (*range(n), n, n + 3, n + 1, n + 2, n + 4)  # [tile, row, block, word, byte]
     rows = words.transpose(order).reshape(*stack, count * TILE_ROWS, blocks * TILE_BLOCK)
     return (rows ^ 0x80).view(jnp.int8)
+
+
+def scales_to_tiles(
+    scales: Float[Array | np.ndarray, "*stack out groups"],
+) -> Float[Array | np.ndarray, "*stack tiles groups 16"]:
+    """Scales `[..., out, groups]` in the "tiles" layout: per tile of 16 rows, per
+    group, the 16 rows' scales together (NumPy in, NumPy out)."""
+    *stack, out, groups = scales.shape
+    return scales.reshape(*stack, out // TILE_ROWS, TILE_ROWS, groups).swapaxes(-1, -2)
+
+
+def tile_scales_to_rows(
+    scales: Float[Array | np.ndarray, "*stack tiles groups 16"],
+) -> Float[Array | np.ndarray, "*stack out groups"]:
+    """The scales `[..., out, groups]` of the "tiles" layout (NumPy in, NumPy out)."""
+    *stack, tiles, groups, _ = scales.shape
+    return scales.swapaxes(-1, -2).reshape(*stack, tiles * TILE_ROWS, groups)
 
 
 def tiles_in_place(packed: np.ndarray) -> np.ndarray:
@@ -243,8 +267,11 @@ def with_layout(model, layout: str):
             return node
         if layout == "tiles" and not tiles_fit(node.bits, node.activations, node.shape):
             return node
-        packed = rows_to_tiles(node.packed) if layout == "tiles" else tiles_to_rows(node.packed)
-        return dataclasses.replace(node, packed=packed, layout=layout)
+        if layout == "tiles":
+            return dataclasses.replace(node, packed=rows_to_tiles(node.packed), scales=scales_to_tiles(node.scales),
+                                       layout=layout)
+        return dataclasses.replace(node, packed=tiles_to_rows(node.packed), scales=tile_scales_to_rows(node.scales),
+                                   layout=layout)
 
     return jax.tree.map(swap, model, is_leaf=is_quantized)
 
@@ -326,7 +353,8 @@ def quantize_weight(
         if layout != "tiles" or not tiles_fit(8, activations, weight.shape):
             raise ValueError(f"layout={layout!r}: use 'rows', or 'tiles' for int8 weights with int8 activations, "
                              f"{TILE_ROWS} output rows a tile and no expert axis (got {weight.shape}).")
-        return dataclasses.replace(weight, packed=rows_to_tiles(weight.packed), layout="tiles")
+        return dataclasses.replace(weight, packed=rows_to_tiles(weight.packed), scales=scales_to_tiles(scale),
+                                   layout="tiles")
     if layout != "rows":
         raise ValueError(f"layout={layout!r} is for int8 weights; int4 ones are held as rows (layout='rows').")
     biases = None
@@ -507,7 +535,8 @@ def with_activations(model, activations: str):
         if not is_quantized(node):
             return node
         if activations == "float" and node.layout == "tiles":  # the tiles are for int8 activations
-            node = dataclasses.replace(node, packed=tiles_to_rows(node.packed), layout="rows")
+            node = dataclasses.replace(node, packed=tiles_to_rows(node.packed), scales=node.row_scales(),
+                                       layout="rows")
         return dataclasses.replace(node, activations=activations)
 
     return jax.tree.map(swap, model, is_leaf=is_quantized)

@@ -18,6 +18,8 @@ from eqx_models.quantization import (
     quantize,
     quantize_weight,
     rows_to_tiles,
+    scales_to_tiles,
+    tile_scales_to_rows,
     tiles_in_place,
     tiles_fit,
     tiles_pay,
@@ -54,6 +56,14 @@ def test_tiles_hold_the_integers_in_the_documented_order():
     host = q.copy()
     np.testing.assert_array_equal(tiles_in_place(host), t)
     np.testing.assert_array_equal(np.asarray(tiles.dequantize()), np.asarray(rows.dequantize()))
+    # The scales: per tile, per group, the 16 rows side by side.
+    scales, tiled_scales = np.asarray(rows.scales), np.asarray(tiles.scales)
+    assert tiled_scales.shape == (2, 3, 3, 16) and tiled_scales.dtype == scales.dtype
+    for layer, tile, group, r in [(0, 0, 0, 0), (1, 2, 1, 15), (0, 1, 2, 9), (1, 0, 2, 4)]:
+        assert tiled_scales[layer, tile, group, r] == scales[layer, 16 * tile + r, group]
+    np.testing.assert_array_equal(np.asarray(tile_scales_to_rows(tiles.scales)), scales)
+    np.testing.assert_array_equal(scales_to_tiles(scales), tiled_scales)
+    np.testing.assert_array_equal(np.asarray(tiles.row_scales()), scales)
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -74,10 +84,10 @@ def test_tiled_products_equal_the_float64_product(group_size, rows):
 ])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_tiles_read_scales_of_any_group_count(kind, in_features, group_size, scale_dtype, rows):
-    """The tiles take their 16 rows' scales eight groups at a time: group counts that
-    are not a multiple of eight (3, 13, 5), in float16 and bfloat16, for stored tiles
-    and for rows packed into tiles on the way (int8 and int4 from 4 activation rows,
-    affine int4 from 2)."""
+    """Stored tiles read their 16 rows' scales as stored columns; rows packed into
+    tiles on the way (int8 and int4 from 4 activation rows, affine int4 from 2)
+    transpose them eight groups at a time. Group counts that are not a multiple of
+    eight (3, 13, 5), float16 and bfloat16 scales."""
     bits, mode = {"int8-tiles": (8, "symmetric"), "int8": (8, "symmetric"), "int4": (4, "symmetric"),
                   "int4-affine": (4, "affine")}[kind]
     stack = quantize_weight(heavy_tailed((2, 48, in_features), seed=in_features), bits, group_size, mode=mode,
@@ -169,4 +179,6 @@ def test_tiles_where_they_do_not_fit_are_refused_with_the_fix():
     assert layouts(with_layout(int4, "tiles")) == {"rows"}
     weight = quantize_weight(heavy_tailed((32, 64)), 8, 32, layout="tiles")
     with pytest.raises(ValueError, match="do not match scales"):
-        dataclasses.replace(weight, scales=weight.scales[:16])
+        dataclasses.replace(weight, scales=weight.scales[:1])
+    with pytest.raises(ValueError, match="do not match scales"):  # the scales of rows, not of tiles
+        dataclasses.replace(weight, scales=weight.row_scales())

@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
-from ..quantization import dequantize, quantize_activations, tiles_to_rows
+from ..quantization import dequantize, quantize_activations, tile_scales_to_rows, tiles_to_rows
 from ..sharding import spans_devices
 
 SOURCES = tuple(
@@ -576,9 +576,15 @@ def _layer_integers(stack, layer: Array) -> Array:
     return tiles_to_rows(packed) if stack.layout == "tiles" else packed
 
 
+def _layer_scales(stack, scales, layer: Array) -> Array:
+    """The layer's slice of `scales` (the stack's, or a tangent of them) in the rows layout."""
+    scales = _layer_of(scales, layer)
+    return tile_scales_to_rows(scales) if stack.layout == "tiles" else scales
+
+
 def _quantized_slice(stack, layer: Array) -> Array:
-    return dequantize(_layer_integers(stack, layer), _layer_of(stack.scales, layer), stack.bits, stack.group_size,
-                      biases=_layer_of(stack.biases, layer))
+    return dequantize(_layer_integers(stack, layer), _layer_scales(stack, stack.scales, layer), stack.bits,
+                      stack.group_size, biases=_layer_of(stack.biases, layer))
 
 
 def _quantized_reference(x, stacks, layer):
@@ -590,7 +596,7 @@ def _quantized_kernel(x, stacks, layer):
     bits, group, int8 = stacks[0].bits, stacks[0].group_size, stacks[0].activations == "int8"
     affine = stacks[0].biases is not None
     tiled = stacks[0].layout == "tiles"
-    shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.scales.shape[1:2], jnp.float32) for s in stacks)
+    shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + s.shape[-2:-1], jnp.float32) for s in stacks)
     call = jax.ffi.ffi_call(QUANTIZED_TARGET, shapes, vmap_method="sequential")
     arrays = [a for s in stacks for a in ((s.packed, s.scales, s.biases) if affine else (s.packed, s.scales))]
     return tuple(call(x, layer.astype(jnp.int32).reshape(()), *arrays, bits=np.int32(bits), group=np.int32(group),
@@ -642,7 +648,7 @@ def _quantized_matvecs_jvp(primals, tangents):
                 biases_dot = None
             elif _is_zero(biases_dot):
                 biases_dot = jnp.zeros(stack.biases.shape, stack.biases.dtype)
-            weight_dot = dequantize(_layer_integers(stack, layer), _layer_of(scales_dot, layer), stack.bits,
+            weight_dot = dequantize(_layer_integers(stack, layer), _layer_scales(stack, scales_dot, layer), stack.bits,
                                     stack.group_size, biases=_layer_of(biases_dot, layer))
             out_dot = out_dot + jnp.einsum("...i,oi->...o", x_seen, weight_dot)
         outs_dot.append(out_dot)

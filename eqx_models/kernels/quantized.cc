@@ -26,7 +26,8 @@
 //      with about a third of the instructions.
 // Attribute `tiled` (int8 with int8 activations, AVX-512 VNNI): each stack's
 // integers are `[layers, N / 16, K / 32, 512]`, already in the order the tiles
-// multiply them (see tiles_vnni), bytes q + 128.
+// multiply them (see tiles_vnni), bytes q + 128, and its scales `[layers, N / 16,
+// K / group, 16]`, each tile's 16 rows side by side per group.
 
 #include <algorithm>
 #include <cmath>
@@ -425,9 +426,11 @@ AVX512_VNNI inline __m256i weight_block(const uint8_t* row, int64_t g, int64_t i
 // `count` 16-bit floats (float16 if `half`, else bfloat16) as float32.
 AVX512_VNNI inline void widen(const uint16_t* from, bool half, int64_t count, float* to) {
   int64_t g = 0;
-  if (half)  // 16 at a time
-    for (; g + 16 <= count; g += 16)
-      _mm512_storeu_ps(to + g, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + g))));
+  for (; g + 16 <= count; g += 16) {  // 16 at a time
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + g));
+    _mm512_storeu_ps(to + g, half ? _mm512_cvtph_ps(raw)
+                                  : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16)));
+  }
   for (; g < count; ++g) to[g] = half ? _cvtsh_ss(from[g]) : to_float(from[g]);
 }
 
@@ -818,7 +821,10 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
   }
   for (; n + kTile <= n1; n += kTile) {
     if (w.tiled) prefetch(w.scales + (n + kTile) * groups, tile_scale_bytes);  // the next tile's
-    tile_columns(w.scales + n * groups, groups, w.half, columns.data());
+    if (w.tiled)  // stored as columns already
+      widen(w.scales + n * groups, w.half, kTile * groups, columns.data());
+    else
+      tile_columns(w.scales + n * groups, groups, w.half, columns.data());
     if (per_group > 1)
       for (int64_t g = 0; g < groups; ++g)
         for (int64_t i = 0; i < per_group; ++i)
@@ -1063,14 +1069,15 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
           "quantized_matvec: int8 weights are s8 (u8 q + 128 when tiled), int4 weights packed in u8");
     if (scales->element_type() != ffi::DataType::F16 && scales->element_type() != ffi::DataType::BF16)
       return ffi::Error::InvalidArgument("quantized_matvec: scales must be float16 or bfloat16");
-    if (s.size() != 3 || s[2] != groups)
-      return ffi::Error::InvalidArgument("quantized_matvec: want scales [layers, N, K / group]");
-    if (tiled ? p.size() != 4 || p[0] != s[0] || p[1] * 16 != s[1] || p[2] * kBlock != K || p[3] != 16 * kBlock
+    if (tiled ? s.size() != 4 || s[2] != groups || s[3] != 16 : s.size() != 3 || s[2] != groups)
+      return ffi::Error::InvalidArgument(tiled ? "quantized_matvec: want tiled scales [layers, N / 16, K / group, 16]"
+                                               : "quantized_matvec: want scales [layers, N, K / group]");
+    if (tiled ? p.size() != 4 || p[0] != s[0] || p[1] != s[1] || p[2] * kBlock != K || p[3] != 16 * kBlock
               : p.size() != 3 || p[2] != row_bytes || s[0] != p[0] || s[1] != p[1])
       return ffi::Error::InvalidArgument(tiled ? "quantized_matvec: want tiles [layers, N / 16, K / 32, 512]"
                                                : "quantized_matvec: want [layers, N, K * bits / 8]");
     if (index < 0 || index >= p[0]) return ffi::Error::InvalidArgument("quantized_matvec: layer index out of range");
-    const int64_t N = s[1], chunk = chunk_rows(N, K, rows);
+    const int64_t N = tiled ? s[1] * 16 : s[1], chunk = chunk_rows(N, K, rows);
     const uint16_t* biases = nullptr;
     if (affine) {
       auto b = stacks.get<ffi::AnyBuffer>(per_stack * j + 2);
