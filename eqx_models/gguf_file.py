@@ -566,8 +566,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     """
     from .models import architecture_for
     from .nn.causal_lm import CausalLM
-    from .quantization import QuantizedWeight, quantizable_layers, scales_to_tiles, spec_for, tiles_fit, tiles_in_place
-    from .quantization import tiles_pay
+    from .quantization import QuantizedWeight, host_tiles, quantizable_layers, spec_for, tiles_fit, tiles_pay
     from .quantization import quantize as quantize_model
     from .sharding import shard_model
 
@@ -589,8 +588,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     for leaf_path, (bits, integers, scales, biases) in packed.items():
         layout = "tiles" if tiles and tiles_fit(bits, "int8", integers.shape) else "rows"
         if layout == "tiles":
-            integers = tiles_in_place(integers if integers.flags.writeable else integers.copy())
-            scales = np.ascontiguousarray(scales_to_tiles(scales))
+            integers, scales = host_tiles(integers if integers.flags.writeable else integers.copy(), scales)
         weight = QuantizedWeight(_to_jax(integers), _to_jax(scales), bits, 32, packable[leaf_path], dtype,
                                  biases=None if biases is None else _to_jax(biases), layout=layout)
         model = eqx.tree_at(lambda m, leaf_path=leaf_path: _at(m, leaf_path), model, weight)

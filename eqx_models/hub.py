@@ -21,7 +21,7 @@ from .models import architecture_for
 from .nn.causal_lm import CausalLM
 from .quantization import QuantizationSpec, QuantizedWeight, quantize_weight, spec_for, spec_from_hf, spec_of
 from .quantization import quantize as quantize_model
-from .quantization import rows_to_tiles, scales_to_tiles, tiles_fit, tiles_in_place, tiles_pay, with_layout
+from .quantization import host_tiles, rows_to_tiles, scales_to_tiles, tiles_fit, tiles_pay, with_layout
 from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
 from .sharding import ShardingRules, placement_for, shard_model, shardings
 
@@ -421,7 +421,7 @@ def _load_quantized_leaf(
         for i, name in enumerate(names):
             quantize_matrix(i, lambda rows, into: source.read_into(name, into, rows))
         if tiles:
-            outputs[:2] = tiles_in_place(packed), np.ascontiguousarray(scales_to_tiles(outputs[1]))
+            outputs[:2] = host_tiles(packed, outputs[1])
         return tuple(map(_to_jax, outputs))
     whole = np.empty(tensor_shape, np.float32)
     for i, name in enumerate(names):
@@ -431,7 +431,7 @@ def _load_quantized_leaf(
             matrix = matrix.T if transposed else matrix
             quantize_matrix(i * len(matrices) + j, lambda rows, into: np.copyto(into, matrix[rows.start : rows.stop]))
     if tiles:
-        outputs[:2] = tiles_in_place(packed), np.ascontiguousarray(scales_to_tiles(outputs[1]))
+        outputs[:2] = host_tiles(packed, outputs[1])
     return tuple(map(_to_jax, outputs))
 
 

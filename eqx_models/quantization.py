@@ -31,8 +31,8 @@ as the CPU kernel multiplies them, sixteen output rows at a time:
 block `j` of tile `t` being input `32 * j + 4 * v + i` of row `16 * t + r`, and
 the scales `[..., out / 16, groups, 16]`, a tile's sixteen rows side by side per
 group. The kernel then reads the bytes and scales as they lie instead of
-transposing each tile per call (as llama.cpp repacks its Q8_0 weights at load). `quantize` and
-`from_pretrained` pick it where it pays (`layout="auto"`: a CPU with AVX-512
+transposing each tile per call (as llama.cpp repacks its Q8_0 weights at load).
+`quantize` and `from_pretrained` pick it where it pays (`layout="auto"`: a CPU with AVX-512
 VNNI, one device); `save_pretrained` writes rows whatever the layout in memory.
 """
 
@@ -229,6 +229,12 @@ def tiles_in_place(packed: np.ndarray) -> np.ndarray:
     return matrices.view(np.uint8).reshape(*stack, out // TILE_ROWS, width // TILE_BLOCK, TILE_ROWS * TILE_BLOCK)
 
 
+def host_tiles(integers: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A host int8 weight's integers `[..., out, in]` (rearranged in place, see
+    `tiles_in_place`) and scales `[..., out, groups]` in the "tiles" layout."""
+    return tiles_in_place(integers), np.ascontiguousarray(scales_to_tiles(scales))
+
+
 def tiles_fit(bits: int, activations: str, shape: tuple[int, ...]) -> bool:
     """Whether a quantized weight of the float `shape` (`[..., out, in]`) can
     take the "tiles" layout: int8 with int8 activations, whole tiles of output
@@ -270,8 +276,7 @@ def with_layout(model, layout: str):
         if layout == "tiles":
             return dataclasses.replace(node, packed=rows_to_tiles(node.packed), scales=scales_to_tiles(node.scales),
                                        layout=layout)
-        return dataclasses.replace(node, packed=tiles_to_rows(node.packed), scales=tile_scales_to_rows(node.scales),
-                                   layout=layout)
+        return dataclasses.replace(node, packed=node.row_integers(), scales=node.row_scales(), layout=layout)
 
     return jax.tree.map(swap, model, is_leaf=is_quantized)
 
@@ -535,8 +540,7 @@ def with_activations(model, activations: str):
         if not is_quantized(node):
             return node
         if activations == "float" and node.layout == "tiles":  # the tiles are for int8 activations
-            node = dataclasses.replace(node, packed=tiles_to_rows(node.packed), scales=node.row_scales(),
-                                       layout="rows")
+            node = with_layout(node, "rows")
         return dataclasses.replace(node, activations=activations)
 
     return jax.tree.map(swap, model, is_leaf=is_quantized)
