@@ -8,6 +8,7 @@ import mmap
 import shutil
 import struct
 import sys
+import time
 
 import equinox as eqx
 import jax
@@ -108,8 +109,22 @@ def test_mapped_weights_outlive_their_files(saved):
     gc.collect()
     np.testing.assert_array_equal(logits(model, ids), expected)
     del model
-    gc.collect()
-    assert not file_mappings((out / "model.safetensors").resolve())  # unmapped with the model
+    assert released_within(30, (out / "model.safetensors").resolve())  # unmapped with the model
+
+
+def released_within(seconds: float, path) -> bool:
+    """Whether this process's mappings of `path` go within `seconds`. The CPU
+    runtime may release a zero-copy buffer on one of its own threads after the
+    array is deleted (once the computations that read it have finished marking
+    themselves done), so under load the last mapping can outlive `del` briefly."""
+    deadline = time.monotonic() + seconds
+    while True:
+        gc.collect()
+        if not file_mappings(path):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)  # lets the runtime's thread take the interpreter lock
 
 
 def test_training_a_mapped_model_leaves_the_file_as_it_was(saved):
