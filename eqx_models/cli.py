@@ -94,6 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
         kv_cache_dtype=args.kv_cache_dtype,
+        prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
     )
     server = Server(engine, tokenizer, args.served_model_name or args.model, api_key=args.api_key)
@@ -256,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--quantize", choices=list(PRESETS), default=None,
                        help="Quantize the weights while loading: int8/int4 in groups of 32 (llama.cpp's Q8_0/Q4_0 "
                             "shape), int4-affine in groups of 64 with a scale and a bias each (mlx-lm's).")
+    serve.add_argument("--no-prefix-caching", action="store_true",
+                       help="Compute every prompt whole, instead of reusing the cached pages of a prefix it shares "
+                            "with an earlier request.")
     serve.add_argument("--seed", type=int, default=0, help="Seeds requests that bring no seed.")
     serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")

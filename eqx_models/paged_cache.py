@@ -73,8 +73,9 @@ class PagedKVCache(eqx.Module):
     at offset `p % page_size`. A step appends each row's real tokens (attention
     mask 1; a chunk may be right-padded) after the row's `positions[b]` cached
     tokens; padding writes nothing. The caller (the engine's scheduler) owns the
-    pages: it gives every row enough pages for the tokens it appends, and never the
-    same page to two rows. Table entries past a row's tokens may name any page
+    pages: it gives every row enough pages for the tokens it appends, and gives a
+    page to several rows only where none of them appends to it (the full pages of
+    a prefix they share). Table entries past a row's tokens may name any page
     (they are never read unmasked), so unused rows can point at page 0.
 
     A model with a recurrent state (`DecoderConfig.recurrent_state`) keeps it in a

@@ -34,7 +34,9 @@ def test_batched_greedy_outputs_equal_generate_and_pages_come_back(stories):
         # The continuation keeps its leading space: the prompt's text plus it is the whole text.
         assert tokenizer.decode(prompt) + out.text == tokenizer.decode(prompt + out.token_ids)
         assert out.finish_reason == "length"
-    assert engine.stats() == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
+    stats = engine.stats()
+    assert {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "num_requests_running", "num_requests_waiting")} \
+        == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
 
 
 def test_an_int8_page_pool_serves_what_generate_gives_with_an_int8_cache(stories):
@@ -70,6 +72,57 @@ def test_a_small_pool_preempts_and_recomputes_without_losing_anything(stories, c
     assert engine.stats()["kv_pages_free"] == 14
 
 
+def shared_tokens(prompt, earlier, page_size) -> int:
+    """Tokens of `prompt` in the full pages it shares with one of `earlier`, short of its last token."""
+    def common(a, b):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        return n
+
+    longest = max((common(prompt, other) for other in earlier), default=0)
+    return min(longest, len(prompt) - 1) // page_size * page_size
+
+
+def test_a_shared_prefix_is_computed_once_and_changes_no_output(stories):
+    model, tokenizer = stories
+    prefix = tokenizer.encode("Once upon a time, there was a little girl named Lily. She loved to play outside.")
+    prompts = [prefix + tokenizer.encode(p)[1:] for p in PROMPTS]  # one story opening, six ways on (no second BOS)
+    params = SamplingParams(max_tokens=16, temperature=0)
+    cached = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=128)
+    uncached = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=128,
+                      prefix_caching=False)
+    outs = cached.generate(prompts, params)
+    for prompt, out, plain in zip(prompts, outs, uncached.generate(prompts, params)):
+        assert out.token_ids == plain.token_ids == alone(model, prompt, 16)
+    stats = cached.stats()
+    # The first prompt computes the shared pages; the others wait for them and take
+    # them (and whatever full pages they share with an earlier one beyond that).
+    assert stats["prefix_cache_hits_total"] == sum(shared_tokens(p, prompts[:i], 4) for i, p in enumerate(prompts))
+    assert stats["prefix_cache_hits_total"] >= 5 * 4 * (len(prefix) // 4)
+    assert stats["prefix_cache_queries_total"] == sum(len(p) for p in prompts)
+    assert uncached.stats()["prefix_cache_hits_total"] == 0 and uncached.stats()["prefix_cache_pages"] == 0
+    # Everything is cached now: asked again, each prompt computes only its last page's tokens.
+    again = cached.generate(prompts, params)
+    assert [out.token_ids for out in again] == [out.token_ids for out in outs]
+    hits = cached.stats()["prefix_cache_hits_total"] - stats["prefix_cache_hits_total"]
+    assert hits == sum((len(p) - 1) // 4 * 4 for p in prompts)
+    assert cached.stats()["kv_pages_free"] == 128
+
+
+def test_prefix_caching_survives_preemption_and_eviction(stories, caplog):
+    model, tokenizer = stories
+    prefix = tokenizer.encode("One day, a little boy named Tom went to the park with his mom.")
+    prompts = [prefix + tokenizer.encode(p)[1:] for p in PROMPTS]
+    engine = Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=32, page_size=4, num_pages=24)
+    with caplog.at_level("INFO", logger="eqx_models.serving"):
+        outs = engine.generate(prompts, SamplingParams(max_tokens=30, temperature=0))
+    assert any("preempting" in record.message for record in caplog.records)
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == alone(model, prompt, 30)
+    assert engine.stats()["prefix_cache_hits_total"] > 0 and engine.stats()["kv_pages_free"] == 24
+
+
 def test_sampled_tokens_depend_on_the_seed_not_on_the_batch(stories):
     model, tokenizer = stories
     engine = Engine(model, tokenizer, max_num_seqs=8, page_size=4, num_pages=128)
@@ -90,6 +143,7 @@ def test_compilations_stop_after_warm_up(stories):
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     params = SamplingParams(max_tokens=20, temperature=0)
     engine.generate(prompts, params)
+    engine.generate(prompts, params)  # again: now the prompts' full pages come from the prefix cache
     warm = dict(engine.trace_counts)
     # XLA compilations, not only traces: jit also recompiles a traced function when an
     # argument's placement changes.
@@ -172,7 +226,9 @@ def test_abort_frees_the_pages_at_the_next_step(stories):
     engine.abort(request)
     (update,) = engine.step()
     assert update.finish_reason == "abort"
-    assert engine.stats() == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
+    stats = engine.stats()
+    assert {k: stats[k] for k in ("kv_pages_free", "kv_pages_total", "num_requests_running", "num_requests_waiting")} \
+        == dict(kv_pages_free=64, kv_pages_total=64, num_requests_running=0, num_requests_waiting=0)
 
 
 def test_sampler_draws_from_the_softmax_and_respects_top_k_and_top_p():

@@ -49,9 +49,9 @@ class Served:
             raise RuntimeError("the server did not come up within 120 s")
         self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key or "unused", max_retries=0)
 
-    def metrics(self) -> dict[str, int]:
+    def metrics(self) -> dict[str, float]:
         text = httpx.get(f"{self.url}/metrics").text
-        return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()}
+        return {line.split()[0]: float(line.split()[1]) for line in text.splitlines()}
 
     def close(self) -> bool:
         """Sends SIGTERM; whether the server shut down cleanly (uvicorn re-raises the
@@ -169,6 +169,21 @@ def test_32_concurrent_requests_each_get_what_they_get_alone(server, stories):
     assert metrics["eqx_models_num_requests_running"] == 0
 
 
+def test_a_repeated_prompt_is_served_from_the_prefix_cache(server, stories):
+    model, tokenizer = stories
+    prompt = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun."
+    ask = lambda: server.client.completions.create(model="stories", prompt=prompt, max_tokens=8, temperature=0)
+    first = ask().choices[0].text
+    before = server.metrics()
+    second = ask().choices[0].text
+    after = server.metrics()
+    assert first == second == continuation(tokenizer, prompt, greedy(model, tokenizer, prompt, 8))
+    # Every full page but the one holding the last prompt token came from the cache.
+    hits = after["eqx_models_prefix_cache_hits_total"] - before["eqx_models_prefix_cache_hits_total"]
+    assert hits == (len(tokenizer.encode(prompt)) - 1) // 4 * 4
+    assert 0 < after["eqx_models_prefix_cache_hit_rate"] <= 1 and after["eqx_models_prefix_cache_pages"] > 0
+
+
 def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
     body = {"model": "stories", "prompt": "Once upon a time", "max_tokens": 400, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body) as response:
@@ -216,7 +231,8 @@ def test_malformed_json_is_a_400(server):
 
 @pytest.fixture(scope="module")
 def small_pool_server(tmp_path_factory, stories):
-    """Stories with "." as its EOS token, a deliberately small page pool, and an API key."""
+    """Stories with "." as its EOS token, a deliberately small page pool without
+    prefix caching, and an API key."""
     folder = tmp_path_factory.mktemp("stories_dot_eos")
     for item in require_fixture(STORIES).iterdir():
         shutil.copy(item, folder / item.name)
@@ -226,7 +242,8 @@ def small_pool_server(tmp_path_factory, stories):
     (folder / "generation_config.json").write_text(json.dumps(config))
     log = open(tmp_path_factory.mktemp("log") / "server.log", "w+")
     served = Served(str(folder), "--served-model-name", "stories", "--page-size", "4", "--num-pages", "16",
-                    "--max-num-seqs", "8", "--max-num-batched-tokens", "32", api_key="sesame", log=log)
+                    "--max-num-seqs", "8", "--max-num-batched-tokens", "32", "--no-prefix-caching", api_key="sesame",
+                    log=log)
     yield served
     assert served.close()
 
@@ -260,6 +277,7 @@ def test_eos_ends_with_stop_and_a_burst_bigger_than_the_pool_completes(small_poo
     assert "preempting" in small_pool_server.log.read()
     metrics = small_pool_server.metrics()
     assert metrics["eqx_models_kv_pages_free"] == metrics["eqx_models_kv_pages_total"] == 16
+    assert metrics["eqx_models_prefix_cache_hits_total"] == metrics["eqx_models_prefix_cache_pages"] == 0  # off
     assert dot == tokenizer.encode("Lily.")[-1]
 
 
@@ -313,16 +331,19 @@ def test_a_failing_engine_step_answers_500_and_the_server_recovers(stories):
 
     def fails_once(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 1:  # fail after the pools were donated, as a failing device call would
+        if len(calls) == 2:  # fail after the pools were donated, as a failing device call would
             working(*args, **kwargs)
             raise RuntimeError("simulated device failure")
         return working(*args, **kwargs)
 
     engine._forward = fails_once
-    body = {"model": "stories", "prompt": "Tom", "max_tokens": 3, "temperature": 0}
+    prompt = "Once upon a time, there was a little girl named Lily"
+    body = {"model": "stories", "prompt": prompt, "max_tokens": 3, "temperature": 0}
     with TestClient(Server(engine, tokenizer, "stories").app()) as client:
-        failed = client.post("/v1/completions", json=body)
+        failed = client.post("/v1/completions", json=body)  # its prompt's pages were cached before the failure
         assert failed.status_code == 500 and failed.json()["error"]["code"] == 500
         recovered = client.post("/v1/completions", json=body)
         assert recovered.status_code == 200 and recovered.json()["usage"]["completion_tokens"] == 3
-    assert engine.stats()["kv_pages_free"] == 64
+    # The new pools hold zeros: the pages cached before the failure must not be reused.
+    assert recovered.json()["choices"][0]["text"] == continuation(tokenizer, prompt, greedy(model, tokenizer, prompt, 3))
+    assert engine.stats()["kv_pages_free"] == 64 and engine.stats()["prefix_cache_hits_total"] == 0

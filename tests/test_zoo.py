@@ -165,9 +165,16 @@ def test_the_serving_engine_gives_what_generate_gives(family):
     from eqx_models.serving import Engine, SamplingParams
 
     tokenizer = eqx_models.load_tokenizer(require_fixture(STORIES))  # covers the tiny vocabulary
+    shared = family.ids(9, seed=20).tolist()  # two full pages that two prompts begin with
     prompts = [family.ids(n, seed=n).tolist() for n in (3, 11, 7)]
+    prompts += [shared + family.ids(4, seed=21).tolist(), shared + family.ids(2, seed=22).tolist()]
     engine = Engine(family.model, tokenizer, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, num_pages=32)
-    outs = engine.generate(prompts, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    params = SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, params)
+    again = engine.generate(prompts, params)  # with prefix caching, from the cached pages
+    for prompt, out, out_again in zip(prompts, outs, again):
         alone = eqx_models.generate(family.model, prompt, max_new_tokens=14, eos_token_id=[])[0].tolist()
-        assert out.token_ids == alone
+        assert out.token_ids == out_again.token_ids == alone
+    # Every cache kind reuses pages; a recurrent state (not kept per prefix) turns it off.
+    hits = engine.stats()["prefix_cache_hits_total"]
+    assert hits > 0 if family.model.config.recurrent_state(1, family.model.dtype) is None else hits == 0

@@ -1,11 +1,12 @@
 """The serving engine: continuous batching over a paged KV cache.
 
-Each `step()` admits waiting requests while pages and the token budget allow,
-runs prompt chunks (one call per chunk), then one decode call for every sequence
-that has its prompt cached. Sequences join and leave between steps; when pages
-run out a running sequence is preempted (its pages freed, its tokens recomputed
-later). Shapes are bucketed (powers of two for the chunk length, the batch and the
-block-table width), so the number of compilations is bounded whatever the traffic.
+Each `step()` asks the `Scheduler` for a plan (which prompt chunks to compute,
+which sequences decode a token; it admits and preempts), runs the prompt chunks
+(one call per chunk-length bucket), then one decode call for every sequence that
+has its prompt cached, and turns the sampled tokens into text, stops and
+log-probabilities. Shapes are bucketed (powers of two for the chunk length, the
+batch and the block-table width), so the number of compilations is bounded
+whatever the traffic.
 """
 
 import collections
@@ -26,7 +27,7 @@ from ..cache import resolve_cache_dtype
 from ..nn.causal_lm import CausalLM
 from ..paged_cache import PagedKVCache
 from ..tokenizer import StreamDecoder, Tokenizer
-from .pages import PageAllocator
+from .scheduler import ScheduledSequence, Scheduler
 from .sampling import SamplingParams, sample_rows, token_logprobs
 
 logger = logging.getLogger("eqx_models.serving")
@@ -71,19 +72,13 @@ class SequenceUpdate:
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
-@dataclasses.dataclass(eq=False)  # compared and hashed by identity
-class _Sequence:
-    id: str
-    prompt_ids: list[int]
+@dataclasses.dataclass(eq=False, kw_only=True)  # compared and hashed by identity
+class _Sequence(ScheduledSequence):
     params: SamplingParams
     seed: int
     on_update: Callable[[SequenceUpdate], None] | None
     prompt_logprobs: bool
     decoder: StreamDecoder
-    output_ids: list[int] = dataclasses.field(default_factory=list)
-    pages: list[int] = dataclasses.field(default_factory=list)
-    state_slot: int | None = None  # its slot in the recurrent-state pool, while running
-    cached: int = 0  # tokens whose keys/values are in `pages`
     text: str = ""  # all output text so far (stop strings cut off)
     sent: int = 0  # characters of `text` already handed out
     pending_ids: list[int] = dataclasses.field(default_factory=list)
@@ -92,19 +87,6 @@ class _Sequence:
     prompt_entries_sent: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def uncached(self) -> int:
-        return self.num_tokens - self.cached
-
-    def token_range(self, start: int, stop: int) -> list[int]:
-        """`tokens[start:stop]` without copying the whole sequence (a decode step needs one)."""
-        prompt = len(self.prompt_ids)
-        return self.prompt_ids[start:stop] + self.output_ids[max(start - prompt, 0) : max(stop - prompt, 0)]
 
 
 @dataclasses.dataclass
@@ -141,6 +123,9 @@ class Engine:
         kv_cache_dtype: the pages' dtype (default: the model's); `"int8"` keeps a
             float32 scale per token and head and fits about twice the tokens of
             bfloat16 in the same memory.
+        prefix_caching: keep full pages for reuse, so that a request whose tokens
+            begin like an earlier one's skips computing that part (see
+            `Scheduler`); off for a model with a recurrent state.
         seed: seeds the requests that do not bring their own.
     """
 
@@ -156,6 +141,7 @@ class Engine:
         num_pages: int | None = None,
         kv_cache_memory: int | None = None,
         kv_cache_dtype=None,
+        prefix_caching: bool = True,
         seed: int = 0,
     ):
         config = model.config
@@ -191,7 +177,7 @@ class Engine:
         # scratch slot (number max_num_seqs) for the rows that pad a call. Its shape
         # only: the state itself is made once, with the pools.
         state_shape = jax.eval_shape(lambda: config.recurrent_state(max_num_seqs + 1, model.dtype))
-        self._state_slots = list(range(max_num_seqs)) if state_shape is not None else None
+        self._has_state = state_shape is not None
         state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state_shape))
         if num_pages is not None and kv_cache_memory is not None:
             raise ValueError("Give num_pages or kv_cache_memory, not both.")
@@ -207,15 +193,16 @@ class Engine:
                     f"kv_cache_memory={kv_cache_memory} bytes holds no page ({page_bytes} bytes each)"
                     f"{state if state_bytes else ''}; give more{' or lower max_num_seqs' if state_bytes else ''}."
                 )
-        self.allocator = PageAllocator(num_pages)
+        self.scheduler = Scheduler(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
+            num_pages=num_pages, state_slots=max_num_seqs if self._has_state else None, prefix_caching=prefix_caching,
+        )
         pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
         self.kv_cache_dtype = kv_cache_dtype
         self._pool_shape, self._value_dim = pool_shape, layout.value_dim
         self.pools = self._empty_pools()
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
-        self.waiting: collections.deque[_Sequence] = collections.deque()
-        self.running: list[_Sequence] = []
         self.trace_counts: collections.Counter = collections.Counter()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog: list = []  # taken from the inbox while idle, handled first
@@ -243,7 +230,7 @@ class Engine:
         # its compiled code on that too, and would otherwise compile every shape twice.
         pools = PagedKVCache.empty_pool(*self._pool_shape, dtype=self.kv_cache_dtype, value_dim=self._value_dim)
         state = None
-        if self._state_slots is not None:
+        if self._has_state:
             state = self.model.config.recurrent_state(self.max_num_seqs + 1, self.model.dtype)
         return jax.device_put((*pools, state), jax.devices()[0])
 
@@ -292,23 +279,43 @@ class Engine:
         seed = int(self._rng.integers(0, 2**31)) if params.seed is None else params.seed & 0x7FFFFFFF
         decoder = StreamDecoder(self.tokenizer, prompt_ids[-DETOKENIZE_CONTEXT:])
         request_id = request_id or f"req-{next(self._ids)}"
-        return _Sequence(request_id, prompt_ids, params, seed, on_update, prompt_logprobs, decoder)
+        return _Sequence(id=request_id, prompt_ids=prompt_ids, params=params, seed=seed, on_update=on_update,
+                         prompt_logprobs=prompt_logprobs, decoder=decoder, reuse_prefix=not prompt_logprobs)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages at the next step. Thread-safe."""
         self._inbox.put(("abort", request_id))
 
     @property
+    def waiting(self) -> collections.deque:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list:
+        return self.scheduler.running
+
+    @property
+    def allocator(self):
+        return self.scheduler.allocator
+
+    @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or not self._inbox.empty())
 
-    def stats(self) -> dict[str, int]:
-        """Free and total KV pages, running and waiting sequences."""
+    def stats(self) -> dict[str, int | float]:
+        """Free (cached ones included) and total KV pages, running and waiting
+        sequences, and the prefix cache: pages kept, tokens of admitted requests
+        looked up and found, and the hit rate (found / looked up, 0 before any)."""
+        scheduler = self.scheduler
         return {
             "kv_pages_free": self.allocator.free,
             "kv_pages_total": self.allocator.num_pages,
             "num_requests_running": len(self.running),
             "num_requests_waiting": len(self.waiting),
+            "prefix_cache_pages": self.allocator.cached,
+            "prefix_cache_queries_total": scheduler.prefix_queries,
+            "prefix_cache_hits_total": scheduler.prefix_hits,
+            "prefix_cache_hit_rate": scheduler.prefix_hits / scheduler.prefix_queries if scheduler.prefix_queries else 0.0,
         }
 
     def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[CompletionOutput]:
@@ -375,10 +382,9 @@ class Engine:
                 for sequence in list(self.running) + list(self.waiting):
                     self._finish(sequence, "abort")
                     self._emit(sequence)
-                self.running.clear()
-                self.waiting.clear()
                 if any(pool.is_deleted() for pool in jax.tree.leaves(self.pools)):  # donated to the failed call
                     self.pools = self._empty_pools()
+                    self.allocator.forget_cached()  # their pages now hold zeros
 
     # ------------------------------------------------------------------- steps
 
@@ -386,18 +392,12 @@ class Engine:
         """One scheduling round: admit, prefill chunks, decode. Returns the updates."""
         updates: list[SequenceUpdate] = []
         self._drain_inbox(updates)
-        decode_rows = self._reserve_decode_pages()
-        budget = self.max_num_batched_tokens - len(decode_rows)
-        chunks = self._schedule_prefill(budget)
-        if not decode_rows and not chunks and self.running:
-            # Nothing fits: every running sequence waits for pages another holds.
-            self._preempt(self.running[-1])
-            return updates
-        touched = [sequence for sequence, _ in chunks]
-        self._run_prefill(chunks)  # admits and preempts nothing: the decode rows still run
-        if decode_rows:
-            self._run_decode(decode_rows)
-            touched += decode_rows
+        plan = self.scheduler.schedule()
+        touched = [sequence for sequence, _ in plan.prefill]
+        self._run_prefill(plan.prefill)  # admits and preempts nothing: the decode rows still run
+        if plan.decode:
+            self._run_decode(plan.decode)
+            touched += plan.decode
         for sequence in dict.fromkeys(touched):
             update = self._emit(sequence)
             if update is not None:
@@ -414,7 +414,7 @@ class Engine:
                 except queue.Empty:
                     return
             if kind == "add":
-                self.waiting.append(item)
+                self.scheduler.add(item)
             elif kind == "abort":
                 for sequence in [s for s in itertools.chain(self.running, self.waiting) if s.id == item]:
                     self._finish(sequence, "abort")
@@ -422,82 +422,9 @@ class Engine:
                     if update is not None:
                         updates.append(update)
 
-    def _pages_for(self, sequence: _Sequence, tokens: int) -> bool:
-        """Gives `sequence` pages for its first `tokens` tokens; False if the pool is short."""
-        missing = math.ceil(tokens / self.page_size) - len(sequence.pages)
-        if missing <= 0:
-            return True
-        pages = self.allocator.allocate(missing)
-        if pages is None:
-            return False
-        sequence.pages += pages
-        return True
-
-    def _reserve_decode_pages(self) -> list[_Sequence]:
-        rows = []
-        for sequence in list(self.running):
-            if sequence not in self.running or sequence.uncached != 1:
-                continue
-            while not self._pages_for(sequence, sequence.cached + 1):
-                victim = self.running[-1]  # the latest admitted gives way
-                self._preempt(victim)
-                if victim is sequence:
-                    break
-            if sequence in self.running:
-                rows.append(sequence)
-        return [s for s in rows if s in self.running]
-
-    def _schedule_prefill(self, budget: int) -> list[tuple[_Sequence, int]]:
-        chunks = []
-        candidates = [s for s in self.running if s.uncached > 1]
-        while budget > 0:
-            if candidates:
-                sequence = candidates.pop(0)
-            elif self.waiting and len(self.running) < self.max_num_seqs:
-                sequence = self.waiting[0]
-            else:
-                break
-            length = min(sequence.uncached, budget)
-            # A newcomer leaves a page per running sequence free, so that admitting
-            # it does not at once preempt others that need their next page.
-            spare = 0 if sequence in self.running else len(self.running)
-            available = (len(sequence.pages) + self.allocator.free - spare) * self.page_size - sequence.cached
-            length = min(length, available)
-            if length <= 0:
-                break
-            self._pages_for(sequence, sequence.cached + length)
-            if sequence not in self.running:
-                self.waiting.popleft()
-                self.running.append(sequence)
-                if self._state_slots is not None:
-                    sequence.state_slot = self._state_slots.pop()
-            chunks.append((sequence, length))
-            budget -= length
-        return chunks
-
-    def _preempt(self, sequence: _Sequence) -> None:
-        """Frees a running sequence's pages; it waits (first in line) to be recomputed."""
-        logger.info("preempting %s (%d tokens) to free %d pages", sequence.id, sequence.num_tokens, len(sequence.pages))
-        self.allocator.release(sequence.pages)
-        sequence.pages, sequence.cached = [], 0
-        self._release_state_slot(sequence)
-        self.running.remove(sequence)
-        self.waiting.appendleft(sequence)
-
     def _finish(self, sequence: _Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         sequence.finish_reason, sequence.stop_reason = reason, stop_reason
-        self.allocator.release(sequence.pages)
-        sequence.pages = []
-        self._release_state_slot(sequence)
-        if sequence in self.running:
-            self.running.remove(sequence)
-        if sequence in self.waiting:
-            self.waiting.remove(sequence)
-
-    def _release_state_slot(self, sequence: _Sequence) -> None:
-        if sequence.state_slot is not None:
-            self._state_slots.append(sequence.state_slot)
-            sequence.state_slot = None
+        self.scheduler.finish(sequence)
 
     # -------------------------------------------------------------- model calls
 
@@ -580,7 +507,7 @@ class Engine:
                 if wants[row]:
                     self._record_prompt_logprobs(sequence, out["prompt"], length, row)
                 completes = sequence.cached + length == sequence.num_tokens
-                sequence.cached += length
+                self.scheduler.computed(sequence, length)
                 if completes:
                     self._accept(sequence, out, row)
 
@@ -588,7 +515,7 @@ class Engine:
         batch = min(_bucket(len(rows)), _bucket(self.max_num_seqs))
         out = self._call(rows, batch, [1] * len(rows))
         for i, sequence in enumerate(rows):
-            sequence.cached += 1
+            self.scheduler.computed(sequence, 1)
             self._accept(sequence, out, i)
 
     def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int, row: int) -> None:
