@@ -314,8 +314,43 @@ def test_real_vocabulary_counts_prompt_tokens_and_renders_chat(tmp_path_factory)
         streamed = served.client.chat.completions.create(model="Qwen/Qwen3-tiny", messages=messages, max_tokens=5,
                                                          temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
+        check_structured_outputs(served)
     finally:
         assert served.close()
+
+
+def check_structured_outputs(served):
+    """response_format and structured_outputs over HTTP, and a bad schema refused
+    while another request streams on undisturbed."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                               "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["city", "days"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Plan a trip."}]
+    chat = served.client.chat.completions.create(
+        model="Qwen/Qwen3-tiny", messages=messages, max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "trip", "schema": schema}})
+    trip = json.loads(chat.choices[0].message.content)
+    assert set(trip) == {"city", "days"} and 1 <= trip["days"] <= 9 and chat.choices[0].finish_reason == "stop"
+    choice = served.client.completions.create(model="Qwen/Qwen3-tiny", prompt="Yes or no?", max_tokens=5,
+                                              extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no")
+
+    body = {"model": "Qwen/Qwen3-tiny", "prompt": "Seattle is a", "max_tokens": 64, "temperature": 0,
+            "ignore_eos": True}
+    alone = httpx.post(f"{served.url}/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        streaming = pool.submit(lambda: "".join(
+            c.choices[0].text for c in served.client.completions.create(
+                model=body["model"], prompt=body["prompt"], max_tokens=64, temperature=0, stream=True,
+                extra_body={"ignore_eos": True}) if c.choices))
+        bad = httpx.post(f"{served.url}/v1/completions", json={
+            "model": "Qwen/Qwen3-tiny", "prompt": "x", "response_format": {
+                "type": "json_schema", "json_schema": {"name": "bad", "schema": {"type": "nonsense"}}}})
+        assert bad.status_code == 400 and "nonsense" in bad.json()["error"]["message"]
+        unknown = httpx.post(f"{served.url}/v1/completions", json={
+            "model": "Qwen/Qwen3-tiny", "prompt": "x", "structured_outputs": {"yaml": "a: 1"}})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "structured_outputs"
+        assert streaming.result() == alone
 
 
 def test_a_failing_engine_step_answers_500_and_the_server_recovers(stories):

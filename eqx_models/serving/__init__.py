@@ -8,6 +8,7 @@ engine's pure part: which tokens of which requests each step computes.
 from .engine import CompletionOutput, Engine, SequenceUpdate, TokenLogprobs
 from .sampling import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler, StepPlan
+from .structured import StructuredOutput
 
 __all__ = ["CompletionOutput", "Engine", "SamplingParams", "ScheduledSequence", "Scheduler", "SequenceUpdate",
-           "StepPlan", "TokenLogprobs"]
+           "StepPlan", "StructuredOutput", "TokenLogprobs"]

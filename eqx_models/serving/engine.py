@@ -28,6 +28,7 @@ from ..nn.causal_lm import CausalLM
 from ..paged_cache import PagedKVCache
 from ..tokenizer import StreamDecoder, Tokenizer
 from .scheduler import ScheduledSequence, Scheduler
+from .structured import GrammarCompiler, Matcher
 from .sampling import SamplingParams, sample_rows, token_logprobs
 
 logger = logging.getLogger("eqx_models.serving")
@@ -79,6 +80,7 @@ class _Sequence(ScheduledSequence):
     on_update: Callable[[SequenceUpdate], None] | None
     prompt_logprobs: bool
     decoder: StreamDecoder
+    matcher: Matcher | None = None  # a structured output's place in its grammar
     text: str = ""  # all output text so far (stop strings cut off)
     sent: int = 0  # characters of `text` already handed out
     pending_ids: list[int] = dataclasses.field(default_factory=list)
@@ -208,13 +210,14 @@ class Engine:
         self._backlog: list = []  # taken from the inbox while idle, handled first
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # made on the first structured request
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         params, static = eqx.partition(model, eqx.is_array)
         self._params = params
         self._forward = jax.jit(
             self._make_forward(static), donate_argnums=1,
-            static_argnames=("sampled", "filters", "logprobs", "all_logits"),
+            static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"),
         )
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MB), %d tokens in all; recurrent state %.1f MB; "
@@ -276,11 +279,17 @@ class Engine:
                 f"The request needs {math.ceil(total / self.page_size)} KV pages but the pool has only "
                 f"{self.allocator.num_pages}; start the engine with more pages (--num-pages / --kv-cache-memory)."
             )
+        matcher = None
+        if params.structured is not None:
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+            matcher = self._grammars.matcher(params.structured)
         seed = int(self._rng.integers(0, 2**31)) if params.seed is None else params.seed & 0x7FFFFFFF
         decoder = StreamDecoder(self.tokenizer, prompt_ids[-DETOKENIZE_CONTEXT:])
         request_id = request_id or f"req-{next(self._ids)}"
         return _Sequence(id=request_id, prompt_ids=prompt_ids, params=params, seed=seed, on_update=on_update,
-                         prompt_logprobs=prompt_logprobs, decoder=decoder, reuse_prefix=not prompt_logprobs)
+                         prompt_logprobs=prompt_logprobs, decoder=decoder, matcher=matcher,
+                         reuse_prefix=not prompt_logprobs)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages at the next step. Thread-safe."""
@@ -431,7 +440,8 @@ class Engine:
     def _make_forward(self, static):
         counts = self.trace_counts
 
-        def forward(params, pools, batch, *, sampled: bool, filters: bool, logprobs: bool, all_logits: bool):
+        def forward(params, pools, batch, *, sampled: bool, filters: bool, masked: bool, logprobs: bool,
+                    all_logits: bool):
             counts["prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
             model = eqx.combine(params, static)
             keys, values, key_scales, value_scales, state = pools
@@ -439,8 +449,13 @@ class Engine:
                                  key_scales, value_scales)
             logits, cache = model(batch["ids"], cache, batch["mask"], logits_to_keep=None if all_logits else 1)
             last = logits[:, -1]
+            allowed = last
+            if masked:  # structured outputs: bit t % 32 of word t // 32 allows token t
+                bits = jax.lax.bitcast_convert_type(batch["allowed"], jnp.uint8).reshape(last.shape[0], -1)
+                bits = jnp.unpackbits(bits, axis=-1, bitorder="little")[:, : last.shape[-1]]
+                allowed = jnp.where(bits.astype(bool), last, -jnp.inf)
             tokens = sample_rows(
-                last, batch["seeds"], batch["counters"], batch["temperature"], batch["top_k"], batch["top_p"],
+                allowed, batch["seeds"], batch["counters"], batch["temperature"], batch["top_k"], batch["top_p"],
                 sampled=sampled, filters=filters,
             )
             out = {"tokens": tokens}
@@ -480,13 +495,21 @@ class Engine:
         return dict(ids=ids, mask=mask, targets=targets, tables=tables, positions=positions, state_slots=state_slots,
                     seeds=seeds, counters=counters, temperature=temperature, top_k=top_k, top_p=top_p)
 
-    def _call(self, rows, batch, lengths, *, all_logits=False):
+    def _call(self, rows, batch, lengths, *, samples: list[bool], all_logits=False):
+        """Runs the model on `rows`; `samples[i]`: whether row i's token is kept
+        (its structured output's mask applies)."""
         width = min(self.pages_per_seq, _bucket(max(len(s.pages) for s in rows)))
         inputs = self._inputs(rows, batch, width, lengths)
+        masked = [i for i, s in enumerate(rows) if s.matcher is not None and samples[i]]
+        if masked:
+            inputs["allowed"] = np.full((batch, self._grammars.mask_words), -1, np.int32)
+            for i in masked:
+                rows[i].matcher.fill_mask(inputs["allowed"][i])
         self.pools, out = self._forward(
             self._params, self.pools, inputs,
             sampled=any(s.params.sampled for s in rows),
             filters=any(s.params.filters for s in rows),
+            masked=bool(masked),
             logprobs=any(s.params.logprobs is not None for s in rows),
             all_logits=all_logits,
         )
@@ -502,7 +525,8 @@ class Engine:
             rows = [sequence for sequence, _ in group]
             lengths = [length for _, length in group]
             wants = [s.prompt_logprobs and s.cached < len(s.prompt_ids) - 1 for s in rows]
-            out = self._call(rows, _bucket(len(rows)), lengths, all_logits=any(wants))
+            samples = [s.cached + length == s.num_tokens for s, length in group]
+            out = self._call(rows, _bucket(len(rows)), lengths, samples=samples, all_logits=any(wants))
             for row, (sequence, length) in enumerate(group):
                 if wants[row]:
                     self._record_prompt_logprobs(sequence, out["prompt"], length, row)
@@ -513,7 +537,7 @@ class Engine:
 
     def _run_decode(self, rows: list[_Sequence]) -> None:
         batch = min(_bucket(len(rows)), _bucket(self.max_num_seqs))
-        out = self._call(rows, batch, [1] * len(rows))
+        out = self._call(rows, batch, [1] * len(rows), samples=[True] * len(rows))
         for i, sequence in enumerate(rows):
             self.scheduler.computed(sequence, 1)
             self._accept(sequence, out, i)
@@ -545,6 +569,12 @@ class Engine:
         if p.logprobs is not None:
             top = list(zip(out["top_ids"][row].tolist(), out["top_logprobs"][row].tolist()))[: p.logprobs]
             sequence.pending_logprobs.append(TokenLogprobs(token, float(out["logprob"][row]), top))
+        if sequence.matcher is not None:
+            try:
+                sequence.matcher.consume(token)
+            except RuntimeError:  # the mask allowed it: a bug, confined to this request
+                logger.exception("structured output of %s", sequence.id)
+                return self._finish(sequence, "abort")
         before = len(sequence.text)
         sequence.text += sequence.decoder.push([token])
         for stop in p.stop:
@@ -557,6 +587,8 @@ class Engine:
             reason, stop_reason = "stop", None
         elif token in p.stop_token_ids:
             reason, stop_reason = "stop", token
+        elif sequence.matcher is not None and sequence.matcher.done:  # the structured output is complete
+            reason, stop_reason = "stop", None
         elif len(sequence.output_ids) >= p.max_tokens or sequence.num_tokens >= self.max_model_len:
             reason, stop_reason = "length", None
         else:

@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any
 
 from .sampling import MAX_LOGPROBS, SamplingParams
+from .structured import StructuredOutput
 
 
 class APIError(Exception):
@@ -90,6 +91,7 @@ def parse_sampling(body: dict, *, default_max_tokens: int | None) -> tuple[dict[
         if _field(body, penalty, (int, float), 0, "a number") != 0:
             raise APIError(f"'{penalty}' is not supported by this server; leave it at 0.", param=penalty)
     fields = dict(
+        structured=parse_structured(body),
         max_tokens=max_tokens if given else default_max_tokens,
         temperature=float(temperature),
         top_p=float(top_p),
@@ -100,6 +102,48 @@ def parse_sampling(body: dict, *, default_max_tokens: int | None) -> tuple[dict[
         ignore_eos=_field(body, "ignore_eos", (bool,), False, "true or false"),
     )
     return fields, given
+
+
+# vLLM's `structured_outputs` keys, and the StructuredOutput fields they set.
+STRUCTURED_KEYS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "grammar": "grammar",
+                   "choice": "choice"}
+
+
+def parse_structured(body: dict) -> StructuredOutput | None:
+    """`response_format` (OpenAI: `text`, `json_object`, `json_schema`) or
+    `structured_outputs` (vLLM: one of `json`, `json_object`, `regex`, `grammar`,
+    `choice`), checked; None for free text."""
+    response_format = _field(body, "response_format", (dict,), None, "an object")
+    structured = _field(body, "structured_outputs", (dict,), None, "an object")
+    if response_format is not None and structured is not None:
+        raise APIError("Give 'response_format' or 'structured_outputs', not both.", param="response_format")
+    try:
+        if response_format is not None:
+            kind = response_format.get("type")
+            if kind == "text":
+                return None
+            if kind == "json_object":
+                return StructuredOutput(json_object=True)
+            if kind == "json_schema":
+                spec = response_format.get("json_schema")
+                if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                    raise APIError("'response_format.json_schema' must be an object with a 'schema' object.",
+                                   param="response_format")
+                return StructuredOutput(json_schema=spec["schema"])
+            raise APIError(f"'response_format.type' must be 'text', 'json_object' or 'json_schema', got {kind!r}.",
+                           param="response_format")
+        if structured is not None:
+            unknown = sorted(set(structured) - set(STRUCTURED_KEYS))
+            if unknown:
+                raise APIError(f"Unknown 'structured_outputs' keys {unknown}; use one of {sorted(STRUCTURED_KEYS)}.",
+                               param="structured_outputs")
+            if "json_object" in structured and structured["json_object"] is not True:
+                raise APIError("'structured_outputs.json_object' must be true.", param="structured_outputs")
+            return StructuredOutput(**{STRUCTURED_KEYS[key]: value for key, value in structured.items()})
+    except (ValueError, TypeError) as error:
+        raise APIError(str(error), param="response_format" if response_format is not None else "structured_outputs") \
+            from None
+    return None
 
 
 def parse_common(body: dict) -> tuple[int, bool, bool]:

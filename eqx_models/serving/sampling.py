@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from ..generation import greedy_tokens
+from .structured import StructuredOutput
 
 # Most alternatives per token `logprobs` may ask for (vLLM's default limit).
 MAX_LOGPROBS = 20
@@ -33,7 +34,11 @@ class SamplingParams:
         stop_token_ids: ids that end generation besides the tokenizer's EOS.
         ignore_eos: keep going after EOS (for benchmarks).
         logprobs: also return the log-probabilities of this many most likely tokens
-            at each step (0 for only the chosen token), or None.
+            at each step (0 for only the chosen token), or None. They are the
+            model's, before a structured output's mask.
+        structured: constrain the output to a JSON schema, a regular expression, a
+            grammar or a list of choices (`StructuredOutput`); the request ends
+            when the output is complete.
     """
 
     max_tokens: int = 16
@@ -45,6 +50,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
