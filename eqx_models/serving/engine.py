@@ -28,7 +28,7 @@ from ..nn.causal_lm import CausalLM
 from ..paged_cache import PagedKVCache
 from ..tokenizer import StreamDecoder, Tokenizer
 from .scheduler import ScheduledSequence, Scheduler
-from .structured import GrammarCompiler, Matcher
+from .structured import GrammarCompiler, Matcher, StructuredOutput
 from .sampling import SamplingParams, sample_rows, token_logprobs
 
 logger = logging.getLogger("eqx_models.serving")
@@ -279,17 +279,23 @@ class Engine:
                 f"The request needs {math.ceil(total / self.page_size)} KV pages but the pool has only "
                 f"{self.allocator.num_pages}; start the engine with more pages (--num-pages / --kv-cache-memory)."
             )
-        matcher = None
-        if params.structured is not None:
-            if self._grammars is None:
-                self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
-            matcher = self._grammars.matcher(params.structured)
+        matcher = None if params.structured is None else self._matcher(params.structured)
         seed = int(self._rng.integers(0, 2**31)) if params.seed is None else params.seed & 0x7FFFFFFF
         decoder = StreamDecoder(self.tokenizer, prompt_ids[-DETOKENIZE_CONTEXT:])
         request_id = request_id or f"req-{next(self._ids)}"
         return _Sequence(id=request_id, prompt_ids=prompt_ids, params=params, seed=seed, on_update=on_update,
                          prompt_logprobs=prompt_logprobs, decoder=decoder, matcher=matcher,
                          reuse_prefix=not prompt_logprobs)
+
+    def _matcher(self, structured: StructuredOutput) -> Matcher:
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        return self._grammars.matcher(structured)
+
+    def check_structured(self, structured: StructuredOutput) -> None:
+        """Raises ValueError naming the problem if `structured` cannot be compiled
+        for this tokenizer (a request carrying it would be refused)."""
+        self._matcher(structured)
 
     def abort(self, request_id: str) -> None:
         """Stops a request and frees its pages at the next step. Thread-safe."""

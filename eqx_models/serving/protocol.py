@@ -5,6 +5,7 @@ fault, rendered as `{"error": {"message", "type", "param", "code"}}`.
 """
 
 import dataclasses
+import re
 from typing import Any
 
 from .sampling import MAX_LOGPROBS, SamplingParams
@@ -57,6 +58,8 @@ class GenerationRequest:
     echo: bool
     include_usage: bool
     max_tokens_given: bool
+    tools: list[dict[str, Any]] | None = None  # chat: the functions the model may call
+    tool_choice: str | dict[str, Any] = "auto"
 
 
 def parse_sampling(body: dict, *, default_max_tokens: int | None) -> tuple[dict[str, Any], bool]:
@@ -225,6 +228,10 @@ def parse_chat(body: Any) -> tuple[GenerationRequest, list[dict[str, Any]]]:
         raise APIError("'logprobs' is not supported for chat completions by this server.", param="logprobs")
     fields, given = parse_sampling(body, default_max_tokens=None)
     n, stream, include_usage = parse_common(body)
+    tools, tool_choice = parse_tools(body)
+    if tool_choice not in ("auto", "none") and fields["structured"] is not None:
+        raise APIError("A required tool call and 'response_format' cannot both constrain the reply.",
+                       param="tool_choice")
     request = GenerationRequest(
         model=_field(body, "model", (str,), None, "a string"),
         prompts=[],
@@ -234,9 +241,50 @@ def parse_chat(body: Any) -> tuple[GenerationRequest, list[dict[str, Any]]]:
         echo=False,
         include_usage=include_usage,
         max_tokens_given=given,
+        tools=tools,
+        tool_choice=tool_choice,
     )
     request.sampling = [fields]  # completed once the prompt length is known
     return request, messages
+
+
+_FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def parse_tools(body: dict) -> tuple[list[dict[str, Any]] | None, str | dict[str, Any]]:
+    """`tools` (OpenAI function definitions) and `tool_choice`, checked (the
+    parameters schemas are compiled later, by the grammar library)."""
+    tools = _field(body, "tools", (list,), None, "a list of tools")
+    names = []
+    for index, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(tool, dict) and tool.get("type") == "function" and isinstance(function, dict)):
+            raise APIError(f"tools[{index}] must be {{\"type\": \"function\", \"function\": {{...}}}}.", param="tools")
+        name = function.get("name")
+        if not (isinstance(name, str) and _FUNCTION_NAME.fullmatch(name)):
+            raise APIError(f"tools[{index}].function.name must be 1-64 letters, digits, '_' or '-', got {name!r}.",
+                           param="tools")
+        if name in names:
+            raise APIError(f"tools[{index}].function.name {name!r} is given twice.", param="tools")
+        names.append(name)
+        if not isinstance(function.get("description", ""), str):
+            raise APIError(f"tools[{index}].function.description must be a string.", param="tools")
+        if not isinstance(function.get("parameters", {}), dict):
+            raise APIError(f"tools[{index}].function.parameters must be a JSON schema object.", param="tools")
+    choice = body.get("tool_choice")
+    if choice is None:
+        choice = "auto"
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or name not in names:
+            raise APIError(f"'tool_choice' must name one of the tools {names}, got {choice!r}.", param="tool_choice")
+    elif choice not in ("none", "auto", "required"):
+        raise APIError(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}.",
+                       param="tool_choice")
+    elif choice == "required" and not names:
+        raise APIError("'tool_choice' is 'required' but no 'tools' were given.", param="tool_choice")
+    return tools or None, choice
 
 
 def chat_sampling(request: GenerationRequest, prompt_length: int, max_model_len: int) -> None:

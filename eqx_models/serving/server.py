@@ -22,6 +22,8 @@ from starlette.routing import Route
 from ..tokenizer import Tokenizer
 from .engine import Engine, SequenceUpdate, TokenLogprobs
 from .protocol import APIError, GenerationRequest, chat_sampling, parse_chat, parse_completion
+from .structured import StructuredOutput
+from .tools import CLOSE, OPEN, ToolCallStream, parse_tool_calls, required_call
 
 logger = logging.getLogger("eqx_models.serving")
 
@@ -228,8 +230,10 @@ class Server:
             return _error(APIError("The engine failed while running this request; see the server log.", status=500))
         return results
 
-    def _stream(self, request: Request, submitted: _Submitted, parsed: GenerationRequest, head: dict, *, chat: bool):
+    def _stream(self, request: Request, submitted: _Submitted, parsed: GenerationRequest, head: dict, *, chat: bool,
+                tools: bool = False):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        calls = [ToolCallStream() for _ in submitted.prompt_ids] if tools else None
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps({**head, 'object': kind, **payload}, ensure_ascii=False)}\n\n"
@@ -253,6 +257,11 @@ class Server:
                     index, update = await submitted.next()
                     counts[index] = update.num_output_tokens
                     if not (update.text or update.finish_reason or update.logprobs):
+                        continue
+                    if calls is not None:
+                        choice = _tool_call_choice(index, update, calls[index])
+                        if choice is not None:
+                            yield event({"choices": [choice]})
                         continue
                     if chat:
                         choice = {"index": index, "delta": {"content": update.text} if update.text else {},
@@ -281,33 +290,88 @@ class Server:
 
     # -------------------------------------------------------------------- chat
 
+    def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
+        """The conversation's prompt; with `tools`, a template that leaves them out is refused."""
+        try:
+            if tools:
+                with_tools = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+                if with_tools == self.tokenizer.apply_chat_template(messages, tokenize=False):
+                    raise APIError("This model's chat template does not render 'tools', so the model would not see "
+                                   "them; use a tool-calling model's tokenizer (--tokenizer) or send no tools.",
+                                   param="tools")
+                return self.tokenizer.encode(with_tools, add_special_tokens=False)
+            return self.tokenizer.apply_chat_template(messages)
+        except APIError:
+            raise
+        except Exception as error:  # a template that refuses these messages
+            raise APIError(f"The chat template could not render these messages: {error}", param="messages") from None
+
+    def _constrain_tool_call(self, parsed: GenerationRequest, tools: list[dict]) -> None:
+        """Checks the tools' parameter schemas; with tool_choice "required" or a named
+        function, constrains the reply to one call."""
+        for index, tool in enumerate(tools):
+            parameters = tool["function"].get("parameters")
+            try:
+                self.engine.check_structured(StructuredOutput(json_schema=parameters or {"type": "object"}))
+            except ValueError as error:
+                raise APIError(f"tools[{index}].function.parameters is not a usable JSON schema: {error}",
+                               param="tools") from None
+        if parsed.tool_choice == "auto":
+            return
+        name = parsed.tool_choice["function"]["name"] if isinstance(parsed.tool_choice, dict) else None
+        tags = {tag for tag in (OPEN, CLOSE) if self.tokenizer.backend.token_to_id(tag) is not None}
+        parsed.sampling[0]["structured"] = required_call(tools, name, tags)
+
     async def chat_completions(self, request: Request) -> Response:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
             parsed, messages = parse_chat(await self._body(request))
             self._check_model(parsed)
-            try:
-                prompt_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            except Exception as error:  # a template that refuses these messages
-                raise APIError(f"The chat template could not render these messages: {error}", param="messages") from None
+            tools = parsed.tools if parsed.tool_choice != "none" else None
+            prompt_ids = self._render_chat(messages, tools)
+            if tools:
+                self._constrain_tool_call(parsed, tools)
             chat_sampling(parsed, len(prompt_ids), self.engine.max_model_len)
             submitted = self._submit([prompt_ids], parsed)
         except APIError as error:
             return _error(error)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex[:16]}", "created": int(time.time()), "model": self.model_name}
         if parsed.stream:
-            return self._stream(request, submitted, parsed, head, chat=True)
+            return self._stream(request, submitted, parsed, head, chat=True, tools=bool(tools))
         results = await self._collect(request, submitted)
         if isinstance(results, Response):
             return results
-        choices = [
-            {"index": index, "message": {"role": "assistant", "content": result["text"]}, "logprobs": None,
-             "finish_reason": result["finish_reason"], "stop_reason": result["stop_reason"]}
-            for index, result in enumerate(results)
-        ]
+        choices = []
+        for index, result in enumerate(results):
+            message, finish_reason = {"role": "assistant", "content": result["text"]}, result["finish_reason"]
+            if tools:
+                content, calls = parse_tool_calls(result["text"])
+                if calls:
+                    message, finish_reason = {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
+            choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish_reason,
+                            "stop_reason": result["stop_reason"]})
         return JSONResponse({**head, "object": "chat.completion", "choices": choices,
                              "usage": self._usage(parsed, submitted, results)})
+
+
+def _tool_call_choice(index: int, update: SequenceUpdate, stream: ToolCallStream) -> dict | None:
+    """A streamed chat choice with tools: the text outside tool-call blocks, and
+    each call once its block is whole (None while nothing is ready)."""
+    text, calls = stream.push(update.text)
+    finish_reason = update.finish_reason
+    if finish_reason is not None:
+        rest, last = stream.finish()
+        text, calls = text + rest, calls + last
+        finish_reason = "tool_calls" if stream.calls else finish_reason
+    delta: dict = {"content": text} if text else {}
+    if calls:
+        first = stream.calls - len(calls)
+        delta["tool_calls"] = [{"index": first + i, **call} for i, call in enumerate(calls)]
+    if not delta and finish_reason is None:
+        return None
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason,
+            "stop_reason": update.stop_reason}
 
 
 def run(server: Server, host: str, port: int) -> None:
