@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .config import DecoderConfig
-from .kernels import decode_attention, write_slots
+from .kernels import decode_attention, index_layer, write_slots
 
 # The dtypes a cache stores its keys and values in. "int8" keeps one float32 scale
 # per token and head beside the integers (about half of bfloat16's bytes at
@@ -117,7 +117,7 @@ class LayerKV(eqx.Module):
     ) -> tuple[Float[Array, "batch kv_heads kv_seq head_dim"], Float[Array, "batch kv_heads kv_seq value_dim"]]:
         """This layer's keys and values (an int8 cache's dequantized to `dtype`,
         default float32)."""
-        take = lambda stack: jax.lax.dynamic_index_in_dim(stack, self.index, keepdims=False)
+        take = lambda stack: index_layer(stack, self.index)
         return read_rows(self, take, take, dtype)
 
     def as_stored(self, x: Float[Array, "*rows width"]) -> Float[Array, "*rows width"]:

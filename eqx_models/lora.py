@@ -23,6 +23,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from safetensors.numpy import load_file, save_file
 
 from .hub import _hf_names, _leaf_names
+from .kernels import index_layer
 from .models import architecture_for
 from .nn.linear import Linear, project
 from .quantization import QuantizedWeight, quantize_weight
@@ -66,7 +67,7 @@ class LoraLinear(eqx.Module):
         return (y + self.scaling * jnp.einsum("...r,or->...o", low, self.lora_B.astype(x.dtype))).astype(x.dtype)
 
     def select_layer(self, index: Int[Array, ""]) -> "LoraLinear":
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, index, keepdims=False)
+        take = lambda a: index_layer(a, index)
         return LoraLinear(self.base.select_layer(index), take(self.lora_A), take(self.lora_B), self.scaling)
 
 

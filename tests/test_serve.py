@@ -314,14 +314,15 @@ def test_real_vocabulary_counts_prompt_tokens_and_renders_chat(tmp_path_factory)
         streamed = served.client.chat.completions.create(model="Qwen/Qwen3-tiny", messages=messages, max_tokens=5,
                                                          temperature=0, stream=True)
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat.choices[0].message.content
-        check_structured_outputs(served)
+        check_structured_outputs_and_refusals(served)
     finally:
         assert served.close()
 
 
-def check_structured_outputs(served):
-    """response_format and structured_outputs over HTTP, and a bad schema refused
-    while another request streams on undisturbed."""
+def check_structured_outputs_and_refusals(served):
+    """response_format and structured_outputs over HTTP; a bad schema, too many
+    choices and a prompt beyond the model refused while another request streams on
+    undisturbed."""
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                                "days": {"type": "integer", "minimum": 1, "maximum": 9}},
               "required": ["city", "days"], "additionalProperties": False}
@@ -350,6 +351,11 @@ def check_structured_outputs(served):
         unknown = httpx.post(f"{served.url}/v1/completions", json={
             "model": "Qwen/Qwen3-tiny", "prompt": "x", "structured_outputs": {"yaml": "a: 1"}})
         assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "structured_outputs"
+        too_many = httpx.post(f"{served.url}/v1/completions", json={"model": "Qwen/Qwen3-tiny", "prompt": "x", "n": 33})
+        assert too_many.status_code == 400 and "--max-num-seqs 32" in too_many.json()["error"]["message"]
+        too_long = httpx.post(f"{served.url}/v1/completions", json={
+            "model": "Qwen/Qwen3-tiny", "prompt": list(range(600)), "max_tokens": 1})
+        assert too_long.status_code == 400 and "maximum context length is 512" in too_long.json()["error"]["message"]
         assert streaming.result() == alone
 
 

@@ -310,6 +310,19 @@ def decode_attention(
     )
 
 
+def _as_bits(x: Array) -> Array:
+    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+
+
+def index_layer(stack: Shaped[Array, "layers *rest"], index: Int[Array, ""]) -> Shaped[Array, "*rest"]:
+    """`stack[index]`, 16-bit floats moved as 16-bit integers: XLA:CPU otherwise
+    widens the whole stack to float32 in front of the layer loop (every layer, on
+    every call); a copy of the integers costs half that, and an optimization
+    barrier after the slice did not stop the widening."""
+    layer = jax.lax.dynamic_index_in_dim(_as_bits(stack), index, keepdims=False)
+    return jax.lax.bitcast_convert_type(layer, stack.dtype) if layer.dtype != stack.dtype else layer
+
+
 def gather_pages(
     pool: Shaped[Array, "layers pages kv_heads page_size head_dim"],
     layer: Int[Array, ""],
@@ -317,7 +330,11 @@ def gather_pages(
 ) -> Shaped[Array, "batch kv_heads kv_seq head_dim"]:
     """One layer's pages of each row, laid end to end: slot `s` of row `b` is
     `pool[layer, block_tables[b, s // page_size], :, s % page_size]`."""
-    pages = pool[layer, block_tables]  # one gather: the layer is never copied whole
+    # One gather (the layer is never copied whole), of 16-bit floats as integers:
+    # XLA:CPU would widen the whole pool of every layer to float32 on every call.
+    pages = _as_bits(pool)[layer, block_tables]
+    if pages.dtype != pool.dtype:
+        pages = jax.lax.bitcast_convert_type(pages, pool.dtype)
     batch, per_row, kv_heads, page_size, head_dim = pages.shape
     return pages.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, per_row * page_size, head_dim)
 

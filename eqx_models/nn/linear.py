@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from ..kernels import kernels_available, quantized_matvecs, quantized_tiles_available, stacked_matvecs
+from ..kernels import index_layer, kernels_available, quantized_matvecs, quantized_tiles_available, stacked_matvecs
 from ..quantization import QuantizedWeight
 from ..sharding import spans_devices
 
@@ -35,7 +35,7 @@ class LayerSlice(eqx.Module):
     index: Int[Array, ""]
 
     def materialize(self) -> Shaped[Array, "*rest"] | QuantizedWeight:
-        take = lambda a: jax.lax.dynamic_index_in_dim(a, self.index, keepdims=False)
+        take = lambda a: index_layer(a, self.index)
         return jax.tree.map(take, self.stack) if isinstance(self.stack, QuantizedWeight) else take(self.stack)
 
 
@@ -181,7 +181,7 @@ class Linear(eqx.Module):
         """This stacked `Linear`'s layer `index`, with the weight left in the stack."""
         out = eqx.tree_at(lambda m: m.weight, self, LayerSlice(self.weight, index))
         if self.bias is not None:
-            out = eqx.tree_at(lambda m: m.bias, out, jax.lax.dynamic_index_in_dim(self.bias, index, keepdims=False))
+            out = eqx.tree_at(lambda m: m.bias, out, index_layer(self.bias, index))
         return out
 
 
@@ -198,7 +198,7 @@ def layer_view(stacked, index: Int[Array, ""]):
         if selects(node):
             return node.select_layer(index)
         if eqx.is_array(node):
-            return jax.lax.dynamic_index_in_dim(node, index, keepdims=False)
+            return index_layer(node, index)
         return node
 
     return jax.tree.map(select, stacked, is_leaf=selects)
@@ -225,6 +225,11 @@ class Embedding(eqx.Module):
     def __call__(self, input_ids: Int[Array, "*batch"]) -> Float[Array, "*batch hidden"]:
         if isinstance(self.weight, QuantizedWeight):
             rows = self.weight.take_rows(input_ids)
+        elif self.weight.dtype in (jnp.bfloat16, jnp.float16):
+            # As 16-bit integers: XLA:CPU widens a 16-bit float gather's whole table
+            # to float32 first (622 MB for Qwen3's, every prompt).
+            bits = jnp.take(jax.lax.bitcast_convert_type(self.weight, jnp.uint16), input_ids, axis=0)
+            rows = jax.lax.bitcast_convert_type(bits, self.weight.dtype)
         else:
             rows = jnp.take(self.weight, input_ids, axis=0)
         return rows if self.scale is None else rows * jnp.asarray(self.scale, rows.dtype)

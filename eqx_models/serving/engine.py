@@ -509,8 +509,7 @@ class Engine:
         masked = [i for i, s in enumerate(rows) if s.matcher is not None and samples[i]]
         if masked:
             inputs["allowed"] = np.full((batch, self._grammars.mask_words), -1, np.int32)
-            for i in masked:
-                rows[i].matcher.fill_mask(inputs["allowed"][i])
+            self._grammars.fill_masks([(rows[i].matcher, i) for i in masked], inputs["allowed"])
         self.pools, out = self._forward(
             self._params, self.pools, inputs,
             sampled=any(s.params.sampled for s in rows),

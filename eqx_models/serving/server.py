@@ -190,6 +190,9 @@ class Server:
                 "top_logprobs": [None] + block["top_logprobs"], "text_offset": offsets}
 
     def _submit(self, prompts: list[list[int]], parsed: GenerationRequest, *, prompt_logprobs: bool = False) -> _Submitted:
+        if parsed.n > self.engine.max_num_seqs:
+            raise APIError(f"'n' is {parsed.n}, more choices than this server runs at once (--max-num-seqs "
+                           f"{self.engine.max_num_seqs}); ask for at most that many.", param="n")
         submitted = _Submitted(self.engine)
         try:
             for index, sampling in enumerate(parsed.sampling):

@@ -118,6 +118,7 @@ class GrammarCompiler:
                 f"structured outputs need llguidance: pip install 'eqx_models[serve]' ({error})"
             ) from None
         self.vocab_size = vocab_size
+        self._executor = llguidance.LLExecutor()  # one thread per core
         self._tokenizer = llguidance.LLTokenizer(
             tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids)[0]
         )
@@ -138,3 +139,13 @@ class GrammarCompiler:
     @property
     def mask_words(self) -> int:
         return (self.vocab_size + 31) // 32
+
+    def fill_masks(self, matchers: list[tuple[Matcher, int]], words: np.ndarray) -> None:
+        """Each `(matcher, row)`'s mask into `words[row]` (int32 `[rows, mask_words]`),
+        the rows computed in parallel on llguidance's threads."""
+        if len(matchers) == 1:
+            matcher, row = matchers[0]
+            return matcher.fill_mask(words[row])
+        assert words.dtype == np.int32 and words.flags["C_CONTIGUOUS"] and words.shape[1] == self.mask_words
+        self._executor.unsafe_compute_mask_ptr([(m._matcher, row) for m, row in matchers], words.ctypes.data,
+                                               words.shape[1] * 4, words.shape[0])
