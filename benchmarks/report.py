@@ -139,6 +139,63 @@ def plot_quantized(quantized: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def serving_tables(serving: dict) -> str:
+    """Throughput and TTFT per server and concurrency; prefix caching; structured outputs."""
+    lines = []
+    for precision, systems in serving.get("throughput", {}).items():
+        names = [n for n in ("eqx_models", "llama.cpp", "vllm") if n in systems]
+        lines += [f"\n{precision}\n", "| concurrency | " + " | ".join(f"{n} output tok/s" for n in names) + " | "
+                  + " | ".join(f"{n} TTFT median / p95 ms" for n in names) + " |", "|---" * (1 + 2 * len(names)) + "|"]
+        for i, concurrency in enumerate(r["concurrency"] for r in systems[names[0]]):
+            rounds = [systems[n][i] for n in names]
+            lines.append(f"| {concurrency} | " + " | ".join(f"{r['output_tokens_per_s']:.1f}" for r in rounds) + " | "
+                         + " | ".join(f"{r['ttft_median_ms']:.0f} / {r['ttft_p95_ms']:.0f}" for r in rounds) + " |")
+    prefix = serving.get("prefix_caching")
+    if prefix:
+        lines += ["\n| server | TTFT, cache on s | TTFT, cache off s | on / off |", "|---|---|---|---|"]
+        for name, run in prefix.items():
+            lines.append(f"| {name} | {run['on']['ttft_median_s']:.2f} | {run['off']['ttft_median_s']:.2f} | "
+                         f"{run['on_over_off']:.2f} |")
+    structured = serving.get("structured_outputs")
+    if structured:
+        import statistics
+
+        lines.append(f"\nDecode step, {structured['rows']} rows: free {statistics.median(structured['free_step_ms']):.1f} ms, "
+                     f"JSON schema {statistics.median(structured['json_schema_step_ms']):.1f} ms "
+                     f"({100 * structured['step_overhead']:+.1f}%); masks "
+                     f"{statistics.median(structured['mask_ms_per_step']):.2f} ms per step "
+                     f"({100 * structured['mask_share_of_step']:.1f}% of it)")
+    return "\n".join(lines)
+
+
+def plot_serving(serving: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    throughput = serving["throughput"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for precision, systems in throughput.items():
+        for name, rounds in systems.items():
+            if not (isinstance(rounds, list) and rounds and isinstance(rounds[0], dict)):
+                continue
+            style = "o-" if precision == "bfloat16" else "s--"
+            label = f"{name} {precision if name != 'llama.cpp' or precision == 'bfloat16' else 'Q8_0'}"
+            concurrency = [r["concurrency"] for r in rounds]
+            axes[0].plot(concurrency, [r["output_tokens_per_s"] for r in rounds], style, label=label)
+            axes[1].plot(concurrency, [r["ttft_median_ms"] / 1e3 for r in rounds], style, label=label)
+    axes[0].set(xscale="log", xlabel="concurrent requests", ylabel="output tokens/s", title="Throughput (guidellm)")
+    axes[1].set(xscale="log", xlabel="concurrent requests", ylabel="median time to first token, s", title="TTFT")
+    for ax in axes:
+        ax.set_xticks([1, 4, 16], ["1", "4", "16"])
+        ax.minorticks_off()
+    axes[0].legend(fontsize=8)
+    fig.suptitle("Qwen3-0.6B shape, 128-token prompts, 32 new tokens, 2 threads, same run")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def quality_table(quality: dict) -> str:
     """Perplexity, KL and agreement of each width, ours beside llama.cpp's, per model."""
     number = lambda value, digits: "" if value is None else f"{value:.{digits}f}"
@@ -262,6 +319,11 @@ def main():
     if quantized:
         print("\n" + quantized_table(quantized))
         plot_quantized(quantized, ROOT / "docs" / "quantized.png")
+    serving = load("serving")
+    if serving:
+        print("\n" + serving_tables(serving))
+        if serving.get("throughput"):
+            plot_serving(serving, ROOT / "docs" / "serving.png")
     plot(decode, depth, ROOT / "docs" / "benchmarks.png")
 
 
