@@ -314,13 +314,36 @@ def _as_bits(x: Array) -> Array:
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
 
+@jax.custom_jvp
 def index_layer(stack: Shaped[Array, "layers *rest"], index: Int[Array, ""]) -> Shaped[Array, "*rest"]:
     """`stack[index]`, 16-bit floats moved as 16-bit integers: XLA:CPU otherwise
     widens the whole stack to float32 in front of the layer loop (every layer, on
     every call); a copy of the integers costs half that, and an optimization
-    barrier after the slice did not stop the widening."""
+    barrier after the slice did not stop the widening. Differentiable: the
+    tangent is the same slice of the stack's tangent."""
     layer = jax.lax.dynamic_index_in_dim(_as_bits(stack), index, keepdims=False)
     return jax.lax.bitcast_convert_type(layer, stack.dtype) if layer.dtype != stack.dtype else layer
+
+
+@index_layer.defjvp
+def _index_layer_jvp(primals, tangents):
+    stack, index = primals
+    return index_layer(stack, index), jax.lax.dynamic_index_in_dim(tangents[0], index, keepdims=False)
+
+
+@jax.custom_jvp
+def take_rows(table: Shaped[Array, "rows *rest"], ids: Int[Array, "*batch"]) -> Shaped[Array, "*batch *rest"]:
+    """`table[ids]`, 16-bit floats gathered as 16-bit integers (XLA:CPU would widen
+    the whole table to float32 first: 622 MB for Qwen3's embedding, every prompt).
+    Differentiable like `jnp.take`."""
+    rows = jnp.take(_as_bits(table), ids, axis=0)
+    return jax.lax.bitcast_convert_type(rows, table.dtype) if rows.dtype != table.dtype else rows
+
+
+@take_rows.defjvp
+def _take_rows_jvp(primals, tangents):
+    table, ids = primals
+    return take_rows(table, ids), jnp.take(tangents[0], ids, axis=0)
 
 
 def gather_pages(

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from ..kernels import index_layer, kernels_available, quantized_matvecs, quantized_tiles_available, stacked_matvecs
+from ..kernels import index_layer, kernels_available, take_rows, quantized_matvecs, quantized_tiles_available, stacked_matvecs
 from ..quantization import QuantizedWeight
 from ..sharding import spans_devices
 
@@ -225,13 +225,8 @@ class Embedding(eqx.Module):
     def __call__(self, input_ids: Int[Array, "*batch"]) -> Float[Array, "*batch hidden"]:
         if isinstance(self.weight, QuantizedWeight):
             rows = self.weight.take_rows(input_ids)
-        elif self.weight.dtype in (jnp.bfloat16, jnp.float16):
-            # As 16-bit integers: XLA:CPU widens a 16-bit float gather's whole table
-            # to float32 first (622 MB for Qwen3's, every prompt).
-            bits = jnp.take(jax.lax.bitcast_convert_type(self.weight, jnp.uint16), input_ids, axis=0)
-            rows = jax.lax.bitcast_convert_type(bits, self.weight.dtype)
         else:
-            rows = jnp.take(self.weight, input_ids, axis=0)
+            rows = take_rows(self.weight, input_ids)
         return rows if self.scale is None else rows * jnp.asarray(self.scale, rows.dtype)
 
     def attend(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch vocab"]:
