@@ -432,3 +432,55 @@ np.savez(sys.argv[1], logits=np.asarray(logits), tokens=np.asarray(tokens), stat
     assert 1.0 < np.abs(results["0"]["logits"]).max() < 100.0
     np.testing.assert_allclose(results["1"]["logits"], results["0"]["logits"], atol=1e-4, rtol=0)
     np.testing.assert_array_equal(results["1"]["tokens"], results["0"]["tokens"])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_layer_rows_and_pages_are_copied_exactly(dtype):
+    from eqx_models.kernels import index_layer, take_rows
+
+    rng = np.random.default_rng(7)
+    stack = jnp.asarray(rng.standard_normal((4, 6, 5)), dtype)
+    pool = jnp.asarray(rng.standard_normal((3, 10, 2, 4, 8)), dtype)
+    ids = jnp.asarray([[5, 0, 3], [2, 2, 1]], jnp.int32)
+
+    def per_layer(_, layer):  # inside a scan, as the decoder takes them
+        return None, (index_layer(stack, layer), take_rows(stack[layer], ids), gather_pages(pool, layer % 3, ids))
+
+    _, (layers, rows, pages) = jax.jit(lambda: jax.lax.scan(per_layer, None, jnp.arange(4)))()
+    host, host_pool = np.asarray(stack), np.asarray(pool)
+    np.testing.assert_array_equal(np.asarray(layers), host)
+    np.testing.assert_array_equal(np.asarray(rows), host[:, np.asarray(ids)])
+    want = np.stack([host_pool[l % 3][np.asarray(ids)].transpose(0, 2, 1, 3, 4).reshape(2, 2, 12, 8) for l in range(4)])
+    np.testing.assert_array_equal(np.asarray(pages), want)
+    # Ids past the rows are clamped, as XLA's gather clamps them.
+    np.testing.assert_array_equal(np.asarray(jax.jit(take_rows)(stack[0], jnp.asarray([9, -2]))), host[0][[5, 0]])
+
+
+def test_a_bfloat16_layer_loop_copies_no_whole_stack():
+    # XLA:CPU hoisted a copy of every 16-bit weight stack out of the layer loop (as
+    # float32, or given the bits as integers, as uint16): the whole model moved on
+    # every prompt. The compiled loop must only copy out the layer it reads.
+    from eqx_models.kernels import index_layer, take_rows
+
+    stacks = [jnp.ones((6, 64, 48), jnp.bfloat16), jnp.ones((6, 48, 64), jnp.bfloat16)]
+    table = jnp.ones((1000, 48), jnp.bfloat16)
+
+    def forward(stacks, table, ids):
+        def layer(x, i):
+            return jnp.tanh(x @ index_layer(stacks[0], i).T) @ index_layer(stacks[1], i).T, None
+
+        return jax.lax.scan(layer, take_rows(table, ids), jnp.arange(6))[0]
+
+    text = jax.jit(forward).lower(stacks, table, jnp.arange(16)).compile().as_text()
+    whole = [line for line in text.splitlines() if "[6,64,48]" in line or "[6,48,64]" in line or "[1000,48]" in line]
+    copies = [line for line in whole if any(op in line for op in ("convert(", "copy(", "bitcast-convert(", "fusion("))]
+    assert not copies, "\n".join(copies)
+    np.testing.assert_allclose(np.asarray(jax.jit(forward)(stacks, table, jnp.arange(16)), np.float32),
+                               np.asarray(_forward_reference(stacks, table), np.float32), rtol=1e-2)
+
+
+def _forward_reference(stacks, table):
+    x = table[:16].astype(jnp.float32)
+    for i in range(6):
+        x = jnp.tanh(x @ stacks[0][i].astype(jnp.float32).T) @ stacks[1][i].astype(jnp.float32).T
+    return x

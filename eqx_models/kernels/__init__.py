@@ -53,7 +53,9 @@ from ..sharding import spans_devices
 
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc")
+    for name in (
+        "matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc", "gather.cc"
+    )
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
@@ -64,6 +66,7 @@ WRITE_PAGES_TARGET = "eqx_models_write_pages"
 DELTA_RULE_TARGET = "eqx_models_delta_rule_step"
 HEADWISE_TARGET = "eqx_models_headwise_matvec"
 QUANTIZED_TARGET = "eqx_models_quantized_matvec"
+TAKE_ROWS_TARGET = "eqx_models_take_rows"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -121,6 +124,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(DELTA_RULE_TARGET, jax.ffi.pycapsule(library.EqxDeltaRuleStep), platform="cpu")
     jax.ffi.register_ffi_target(HEADWISE_TARGET, jax.ffi.pycapsule(library.EqxHeadwiseMatvec), platform="cpu")
     jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
+    jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(library.EqxTakeRows), platform="cpu")
     _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
     return None
 
@@ -314,15 +318,38 @@ def _as_bits(x: Array) -> Array:
     return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in (jnp.bfloat16, jnp.float16) else x
 
 
+def _from_bits(x: Array, dtype) -> Array:
+    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
+
+
+def _rows_kernel(table: Array, layer: Array, ids: Array) -> Array:
+    """`table[layer, ids]` for a `[layers, rows, ...]` table, copied by the kernel."""
+    out = jax.ShapeDtypeStruct((*ids.shape, *table.shape[2:]), table.dtype)
+    call = jax.ffi.ffi_call(TAKE_ROWS_TARGET, out, vmap_method="sequential")
+    return call(table, layer.astype(jnp.int32).reshape(()), ids.astype(jnp.int32))
+
+
+def _rows_reference(table: Array, layer: Array, ids: Array) -> Array:
+    # As 16-bit integers: XLA:CPU would widen the whole table to float32 first.
+    return _from_bits(_as_bits(table)[layer, jnp.clip(ids, 0, table.shape[1] - 1)], table.dtype)
+
+
+def _take(table: Array, layer: Array, ids: Array) -> Array:
+    """`table[layer, ids]` (ids clamped to the rows). For 16-bit floats on the CPU the
+    kernel copies just the rows: given the bits as integers, XLA:CPU still copied the
+    whole table (hoisted out of the layer loop, for a weight stack) on every call."""
+    if table.dtype.itemsize == 2 and table.shape[1] > 0:
+        return _dispatch(_rows_kernel, _rows_reference, table, layer, ids)
+    return _rows_reference(table, layer, ids)
+
+
 @jax.custom_jvp
 def index_layer(stack: Shaped[Array, "layers *rest"], index: Int[Array, ""]) -> Shaped[Array, "*rest"]:
-    """`stack[index]`, 16-bit floats moved as 16-bit integers: XLA:CPU otherwise
-    widens the whole stack to float32 in front of the layer loop (every layer, on
-    every call); a copy of the integers costs half that, and an optimization
-    barrier after the slice did not stop the widening. Differentiable: the
-    tangent is the same slice of the stack's tangent."""
-    layer = jax.lax.dynamic_index_in_dim(_as_bits(stack), index, keepdims=False)
-    return jax.lax.bitcast_convert_type(layer, stack.dtype) if layer.dtype != stack.dtype else layer
+    """`stack[index]`, 16-bit floats copied as raw bytes (see `_take`): XLA:CPU
+    otherwise widens the whole stack to float32 in front of the layer loop (every
+    layer, on every call). Differentiable: the tangent is the same slice of the
+    stack's tangent."""
+    return _take(stack[None], jnp.int32(0), jnp.reshape(index, (1,)))[0]
 
 
 @index_layer.defjvp
@@ -333,17 +360,16 @@ def _index_layer_jvp(primals, tangents):
 
 @jax.custom_jvp
 def take_rows(table: Shaped[Array, "rows *rest"], ids: Int[Array, "*batch"]) -> Shaped[Array, "*batch *rest"]:
-    """`table[ids]`, 16-bit floats gathered as 16-bit integers (XLA:CPU would widen
-    the whole table to float32 first: 622 MB for Qwen3's embedding, every prompt).
-    Differentiable like `jnp.take`."""
-    rows = jnp.take(_as_bits(table), ids, axis=0)
-    return jax.lax.bitcast_convert_type(rows, table.dtype) if rows.dtype != table.dtype else rows
+    """`table[ids]` (ids clamped to the rows), 16-bit floats copied as raw bytes (XLA:CPU
+    would widen the whole table to float32 first: 622 MB for Qwen3's embedding, every
+    prompt). Differentiable like `jnp.take`."""
+    return _take(table[None], jnp.int32(0), ids)
 
 
 @take_rows.defjvp
 def _take_rows_jvp(primals, tangents):
     table, ids = primals
-    return take_rows(table, ids), jnp.take(tangents[0], ids, axis=0)
+    return take_rows(table, ids), jnp.take(tangents[0], ids, axis=0, mode="clip")
 
 
 def gather_pages(
@@ -353,11 +379,7 @@ def gather_pages(
 ) -> Shaped[Array, "batch kv_heads kv_seq head_dim"]:
     """One layer's pages of each row, laid end to end: slot `s` of row `b` is
     `pool[layer, block_tables[b, s // page_size], :, s % page_size]`."""
-    # One gather (the layer is never copied whole), of 16-bit floats as integers:
-    # XLA:CPU would widen the whole pool of every layer to float32 on every call.
-    pages = _as_bits(pool)[layer, block_tables]
-    if pages.dtype != pool.dtype:
-        pages = jax.lax.bitcast_convert_type(pages, pool.dtype)
+    pages = _take(pool, layer, block_tables)  # one gather: the layer is never copied whole
     batch, per_row, kv_heads, page_size, head_dim = pages.shape
     return pages.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, per_row * page_size, head_dim)
 
