@@ -21,6 +21,9 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `quantized_matvecs(x, stacks, layer)`: `stacked_matvecs` for group-quantized
   int8 / int4 weights, widened in registers (no float copy of any weight); with
   AVX-512 VNNI (`quantized_tiles_available()`) also the product for a prompt's rows.
+- `index_layer`, `take_rows`, `gather_pages`: a layer of a stack, rows of a table,
+  a layer's KV pages, 16-bit floats copied as raw bytes (XLA:CPU would copy or
+  widen the whole array).
 
 The C++ source ships with the package and is compiled once per source, jaxlib and
 compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++

@@ -615,14 +615,11 @@ constexpr int64_t kStoredAhead = 16;
 // Whether that stream is fetched non-temporal. On a 2-core Intel Xeon VM (AVX-512
 // VNNI and AMX) the same non-temporal fetches halved the speed of a whole int8 step
 // (62 ms against 29 with T0, 31 with no software fetch; T1 and T2 as T0), so only
-// AMD's CPUs get them.
-inline bool stream_non_temporal() {
-  static const bool amd = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_is("amd") != 0;
-  }();
-  return amd;
-}
+// AMD's CPUs get them. Read once, when the library loads: not in the products' loop.
+const bool kStreamNonTemporal = [] {
+  __builtin_cpu_init();
+  return __builtin_cpu_is("amd") != 0;
+}();
 
 // `bytes` from `from` fetched ahead for reading, line by line: `Locality` 3 into
 // every cache level (T0), 0 non-temporal (NTA).
@@ -778,9 +775,13 @@ AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* scratch, const __m512i*
     int64_t filled[2];
     const int count = chunk_blocks<Bits>(c, blocks, group, filled);
     if (rows) pack_chunk<Bits>(rows, row_bytes, group, c, filled, count, scratch);
-    if (!rows && packed != scratch)  // stored tiles: one stream through the tiles of the chunk and on
-      stream_non_temporal() ? prefetch<0>(packed + 8 * (c + kStoredAhead), sizeof(__m512i) * 8)
-                            : prefetch<3>(packed + 8 * (c + kStoredAhead), sizeof(__m512i) * 8);
+    if (!rows && packed != scratch) {  // stored tiles: one stream through the tiles of the chunk and on
+      const __m512i* ahead = packed + 8 * (c + kStoredAhead);
+      if (kStreamNonTemporal)
+        prefetch<0>(ahead, sizeof(__m512i) * 8);
+      else
+        prefetch<3>(ahead, sizeof(__m512i) * 8);
+    }
     for (int i = 0; i < count; ++i) block_products<B>(packed, dw, a, b0, filled[i], acc);
   }
   if (bias)
