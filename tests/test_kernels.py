@@ -65,6 +65,72 @@ def test_stacked_matvecs_runs_several_stacks_as_one_job(dtype, activations, rows
         np.testing.assert_allclose(got, exact, atol=2e-4 * np.abs(exact).max(), rtol=0)
 
 
+def _cpu_has_amx() -> bool:
+    with open("/proc/cpuinfo") as info:
+        flags = next((line.split() for line in info if line.startswith("flags")), [])
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+def test_bfloat16_tiles_are_used_where_the_cpu_has_amx():
+    # A CPU with AMX whose tiles the kernels failed to claim would silently fall
+    # back to XLA's float32 matmul for every bfloat16 prompt.
+    from eqx_models.kernels import bf16_tiles_available
+
+    assert bf16_tiles_available() == (sys.platform == "linux" and _cpu_has_amx())
+
+
+# bfloat16 activations against bfloat16 weights: on a CPU with AMX, from 5 rows on,
+# widths that fill the tiles (in % 32, out % 16) take the tiles; the rest, and CPUs
+# without AMX, the dot-product or widening loops. Rows past 32 and weight rows past
+# a chunk (512 KiB) cover the blocking; odd sizes the fallback.
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 16, 17, 33, 100])
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 64), (400, 1024), (32, 3072), (37, 19), (20, 64)])
+def test_bfloat16_activations_equal_the_float64_product(rows, out_features, in_features):
+    rng = np.random.default_rng(rows * 7 + out_features + in_features)
+    stacks = [jnp.asarray(rng.standard_normal((3, n, in_features)), jnp.bfloat16) for n in (out_features, 16 * 21)]
+    x = jnp.asarray(rng.standard_normal((rows, in_features)), jnp.bfloat16)
+    outs = jax.jit(stacked_matvecs)(x, stacks, jnp.int32(2))
+    for stack, got in zip(stacks, outs):
+        exact = np.asarray(x, np.float64) @ np.asarray(stack[2], np.float64).T
+        assert got.shape == exact.shape and got.dtype == jnp.float32
+        np.testing.assert_allclose(got, exact, atol=1e-5 * np.sqrt(in_features) * 4, rtol=0)
+
+
+def test_a_bfloat16_prompt_goes_through_the_tiles_with_the_same_logits(monkeypatch):
+    """With AMX, a bfloat16 model's prompt projections are kernel calls (not XLA's
+    matmul), and the logits equal those of the XLA path to bfloat16 rounding."""
+    import equinox as eqx
+
+    import eqx_models
+    from eqx_models.kernels import MATVEC_TARGET, bf16_tiles_available
+    from eqx_models.nn import linear
+
+    config = eqx_models.DecoderConfig(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        max_position_embeddings=256, use_qk_norm=True)
+    model = eqx_models.CausalLM(config, key=jax.random.key(1))
+    scaled = lambda w: w / (0.02 * np.sqrt(w.shape[-1])) if w.ndim >= 2 else w
+    model = jax.tree.map(lambda w: scaled(w).astype(jnp.bfloat16) if eqx.is_array(w) and
+                         jnp.issubdtype(w.dtype, jnp.floating) else w, model)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 96, (2, 24)))
+    def logits(model):
+        return model(ids)[0]
+
+    def logits_by_xla(model):  # a function of its own: jit caches by function
+        return model(ids)[0]
+
+    with_tiles = np.asarray(jax.jit(logits)(model), np.float32)
+    assert (MATVEC_TARGET in jax.jit(logits).lower(model).as_text()) == bf16_tiles_available()
+    monkeypatch.setattr(linear, "bf16_tiles_available", lambda: False)
+    jax.clear_caches()  # inner jitted calls were traced with the tiles
+    without = np.asarray(jax.jit(logits_by_xla)(model), np.float32)
+    assert MATVEC_TARGET not in jax.jit(logits_by_xla).lower(model).as_text()
+    assert 1.0 < np.abs(without).max() < 100.0
+    # One bfloat16 step (2**-8 relative) of the largest logit, for the roundings of
+    # intermediate activations that the two paths may place differently.
+    np.testing.assert_allclose(with_tiles, without, atol=np.abs(without).max() * 2**-6, rtol=0)
+
+
 def test_stacked_matvecs_refuses_mixed_dtypes():
     stacks = [jnp.zeros((1, 4, 8), jnp.float32), jnp.zeros((1, 4, 8), jnp.bfloat16)]
     with pytest.raises(ValueError, match="share one dtype"):

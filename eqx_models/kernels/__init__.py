@@ -7,7 +7,9 @@ element-wise producers into the loop and recomputes them per weight), so a decod
 step otherwise moves each layer's weights and cache slice two or three times.
 
 - `stacked_matvecs(x, stacks, layer)`: `x @ stack[layer].T` for a few rows of `x`
-  and one or more stacks (`stacked_matvec` for one).
+  and one or more stacks (`stacked_matvec` for one); bfloat16 rows against
+  bfloat16 weights on a CPU with AMX (`bf16_tiles_available()`) for a prompt's
+  rows too, on the tiles (amx.h).
 - `decode_attention(...)`: one new token per row attending to a layer of the
   KV cache and to its own key/value; `paged_decode_attention(...)` the same over
   a pool of pages reached through per-row block tables.
@@ -60,7 +62,7 @@ SOURCES = tuple(
         "matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc", "gather.cc"
     )
 )
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("bfloat16.h", "parallel_for.h"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("amx.h", "bfloat16.h", "parallel_for.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
 WRITE_TARGET = "eqx_models_write_slots"
@@ -129,6 +131,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(library.EqxTakeRows), platform="cpu")
     _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
+    _features["bf16_tiles"] = bool(library.EqxBf16Tiles())
     return None
 
 
@@ -155,6 +158,15 @@ def quantized_tiles_available() -> bool:
     XLA's dot of the dequantized weight on 2 cores)."""
     return (jax.default_backend() == "cpu" and kernels_available()
             and _features.get("quantized_tiles", False))
+
+
+def bf16_tiles_available() -> bool:
+    """Whether `stacked_matvecs` should take many rows (a prompt) of bfloat16
+    activations against bfloat16 weights too: the CPU backend with the kernels
+    available, on a CPU with AMX (bfloat16 tiles) that the OS lets this process
+    use. `EQX_MODELS_AMX=0` turns it off."""
+    return (jax.default_backend() == "cpu" and kernels_available()
+            and _features.get("bf16_tiles", False))
 
 
 def _dispatch(kernel, reference, *args):
@@ -210,7 +222,9 @@ def stacked_matvecs(
     stacks = tuple(stacks)
     if len({stack.dtype for stack in stacks}) != 1:
         raise ValueError(f"stacked_matvecs: the stacks must share one dtype, got {[s.dtype for s in stacks]}.")
-    return _matvecs(x.astype(jnp.float32), stacks, layer)
+    # bfloat16 activations go to the kernel as they are (see matvec.cc).
+    keep = x.dtype == jnp.bfloat16 and stacks[0].dtype == jnp.bfloat16
+    return _matvecs(x if keep else x.astype(jnp.float32), stacks, layer)
 
 
 def stacked_matvec(

@@ -8,7 +8,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
-from ..kernels import index_layer, kernels_available, take_rows, quantized_matvecs, quantized_tiles_available, stacked_matvecs
+from ..kernels import (
+    bf16_tiles_available, index_layer, kernels_available, quantized_matvecs, quantized_tiles_available, stacked_matvecs,
+    take_rows,
+)
 from ..quantization import QuantizedWeight
 from ..sharding import spans_devices
 
@@ -18,8 +21,12 @@ INIT_STD = 0.02  # transformers' default `initializer_range`
 # matmul reuses operands better and a slice copy is amortised over many rows.
 # Quantized weights with int8 activations go through the kernel at any row count
 # where `quantized_tiles_available()` (the CPU backend, AVX-512 VNNI): its integer
-# tiles outrun the float matmul of the dequantized weight.
+# tiles outrun the float matmul of the dequantized weight. So do bfloat16 rows
+# against bfloat16 weights where `bf16_tiles_available()` (AMX): XLA:CPU widens
+# them to float32 for its matmul.
 MAX_KERNEL_ROWS = 16
+# Widths the AMX tiles take: 32 inputs per tile row, 16 outputs per tile.
+TILE_IN, TILE_OUT = 32, 16
 
 
 class LayerSlice(eqx.Module):
@@ -53,11 +60,22 @@ def use_matvec_kernel(x: Array, weight: Weight) -> bool:
     dtype = weight.stack.dtype if isinstance(weight, LayerSlice) else weight.dtype
     if is_quantized(weight) and _input_kind(weight) == "int8" and quantized_tiles_available():
         return True
+    if _bf16_tiles_fit(x, weight) and bf16_tiles_available():
+        return True
     return (
         math.prod(x.shape[:-1]) <= MAX_KERNEL_ROWS
         and (is_quantized(weight) or dtype in (jnp.float32, jnp.bfloat16))
         and kernels_available()
     )
+
+
+def _bf16_tiles_fit(x: Array, weight: Weight) -> bool:
+    if is_quantized(weight):
+        return False
+    array = weight.stack if isinstance(weight, LayerSlice) else weight
+    out, width = array.shape[-2:]
+    return (x.dtype == jnp.bfloat16 and array.dtype == jnp.bfloat16
+            and width % TILE_IN == 0 and out % TILE_OUT == 0)
 
 
 def _as_stack(weight: Weight) -> tuple[Array | QuantizedWeight, Array]:
