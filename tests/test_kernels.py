@@ -1,6 +1,7 @@
 """The CPU decode kernels against plain XLA, and the model with and without them."""
 
 import os
+import platform
 import subprocess
 import sys
 
@@ -73,10 +74,14 @@ def _cpu_has_amx() -> bool:
 
 def test_bfloat16_tiles_are_used_where_the_cpu_has_amx():
     # A CPU with AMX whose tiles the kernels failed to claim would silently fall
-    # back to XLA's float32 matmul for every bfloat16 prompt.
+    # back to XLA's float32 matmul for every bfloat16 prompt. (Linux grants the
+    # tiles from 5.16 on; the environment variables turn them off.)
     from eqx_models.kernels import bf16_tiles_available
 
-    assert bf16_tiles_available() == (sys.platform == "linux" and _cpu_has_amx())
+    release = tuple(int(part) for part in platform.release().split(".")[:2] if part.isdigit())
+    turned_off = os.environ.get("EQX_MODELS_AMX") == "0" or "EQX_MODELS_KERNELS_PORTABLE" in os.environ
+    expected = sys.platform == "linux" and release >= (5, 16) and _cpu_has_amx() and not turned_off
+    assert bf16_tiles_available() == expected
 
 
 # bfloat16 activations against bfloat16 weights: on a CPU with AMX, from 5 rows on,
@@ -129,6 +134,38 @@ def test_a_bfloat16_prompt_goes_through_the_tiles_with_the_same_logits(monkeypat
     # One bfloat16 step (2**-8 relative) of the largest logit, for the roundings of
     # intermediate activations that the two paths may place differently.
     np.testing.assert_allclose(with_tiles, without, atol=np.abs(without).max() * 2**-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_stacked_matvec_of_no_rows_is_empty(dtype):
+    stack = jnp.ones((2, 48, 64), dtype)
+    got = jax.jit(stacked_matvec)(jnp.ones((0, 64), dtype), stack, jnp.int32(1))
+    assert got.shape == (0, 48)
+
+
+def test_bfloat16_rows_differentiate_under_strict_promotion():
+    # The XLA form (other backends, and the derivative) must not mix bfloat16 and
+    # float32 implicitly.
+    rng = np.random.default_rng(3)
+    stack = jnp.asarray(rng.standard_normal((2, 32, 64)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((20, 64)), jnp.bfloat16)
+    with jax.numpy_dtype_promotion("strict"):
+        grad = jax.jit(jax.grad(lambda x: stacked_matvec(x, stack, jnp.int32(1)).sum()))(x)
+    want = np.broadcast_to(np.asarray(stack[1], np.float64).sum(axis=0), x.shape)
+    np.testing.assert_allclose(np.asarray(grad, np.float64), want, rtol=2**-7, atol=1e-2)
+
+
+def test_kernels_build_without_amx():
+    # The build retries with EQX_MODELS_NO_AMX where AMX does not compile or
+    # assemble; that variant must build too.
+    from eqx_models.kernels import COMPILE_FLAGS, SOURCES, _compiler
+
+    source = next(path for path in SOURCES if path.name == "matvec.cc")
+    flags = [f for f in COMPILE_FLAGS if f != "-shared"]
+    command = [_compiler(), "-DEQX_MODELS_NO_AMX", *flags, f"-I{jax.ffi.include_dir()}", "-c", str(source),
+               "-o", os.devnull]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
 
 
 def test_stacked_matvecs_refuses_mixed_dtypes():

@@ -100,6 +100,9 @@ def _build(compiler: str) -> Path:
         partial = Path(scratch) / library.name
         command = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode != 0:  # perhaps a compiler or assembler without AMX: build the rest
+            command.insert(1, "-DEQX_MODELS_NO_AMX")
+            result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"compiling the kernels failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
         os.replace(partial, library)
@@ -131,11 +134,13 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(library.EqxTakeRows), platform="cpu")
     _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
-    _features["bf16_tiles"] = bool(library.EqxBf16Tiles())
+    _features["bf16_tiles_cpu"] = bool(library.EqxBf16TilesOnCpu())
+    _requests["bf16_tiles"] = library.EqxBf16Tiles
     return None
 
 
 _features: dict[str, bool] = {}
+_requests: dict[str, ctypes._CFuncPtr] = {}
 
 
 def kernels_status() -> str:
@@ -165,8 +170,16 @@ def bf16_tiles_available() -> bool:
     activations against bfloat16 weights too: the CPU backend with the kernels
     available, on a CPU with AMX (bfloat16 tiles) that the OS lets this process
     use. `EQX_MODELS_AMX=0` turns it off."""
-    return (jax.default_backend() == "cpu" and kernels_available()
-            and _features.get("bf16_tiles", False))
+    return (jax.default_backend() == "cpu" and kernels_available() and _features.get("bf16_tiles_cpu", False)
+            and _bf16_tiles_granted())
+
+
+@functools.cache
+def _bf16_tiles_granted() -> bool:
+    # Asked for on the first bfloat16 product, not when the library loads: once
+    # granted, the AMX state enlarges every signal frame of the process (and Linux
+    # then refuses smaller alternate signal stacks).
+    return bool(_requests["bf16_tiles"]())
 
 
 def _dispatch(kernel, reference, *args):
@@ -181,6 +194,7 @@ def _slice(stack: Array, layer: Array) -> Array:
 
 
 def _reference(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
+    x = x.astype(jnp.float32)
     return tuple(jnp.einsum("...i,oi->...o", x, _slice(stack, layer)) for stack in stacks)
 
 
@@ -200,6 +214,7 @@ def _matvecs_jvp(primals, tangents):
     x, stacks, layer = primals
     x_dot, stacks_dot, _ = tangents
     outs = _matvecs(x, stacks, layer)
+    x, x_dot = x.astype(jnp.float32), x_dot.astype(jnp.float32)
     outs_dot = tuple(
         jnp.einsum("...i,oi->...o", x_dot, _slice(stack, layer))
         + jnp.einsum("...i,oi->...o", x, _slice(stack_dot, layer))
@@ -213,7 +228,8 @@ def stacked_matvecs(
 ) -> tuple[Float[Array, "*rows _"], ...]:
     """`x @ stack[layer].T` in float32 for each stack, reading the layer's slices in place.
 
-    Meant for a few rows (decode). The stacks share `x` and one dtype (float32 or
+    Meant for a few rows (decode), or a prompt's rows of bfloat16 against bfloat16
+    weights where `bf16_tiles_available()`. The stacks share `x` and one dtype (float32 or
     bfloat16); on the CPU with the kernels built they go as one custom call, so
     projections of the same input (q/k/v, gate/up) stream their weights as one
     job. Elsewhere each is the XLA `dot` of its slice. Differentiable (the
@@ -232,7 +248,8 @@ def stacked_matvec(
 ) -> Float[Array, "*rows out"]:
     """`x @ stack[layer].T` in float32, reading the layer's slice of `stack` in place.
 
-    Meant for a few rows (decode); `stack` may be float32 or bfloat16. On the CPU
+    Meant for a few rows (decode), or a prompt's bfloat16 rows against a bfloat16
+    stack where `bf16_tiles_available()`; `stack` may be float32 or bfloat16. On the CPU
     with the kernels built this is one custom call; elsewhere it is the XLA
     `dot` of the slice. Differentiable (the derivative uses the XLA form).
     """

@@ -24,7 +24,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && (defined(__clang__) || __GNUC__ >= 11)
+// EQX_MODELS_NO_AMX: set by the build when a compiler or assembler without AMX
+// failed on this file (the rest of the kernels still build).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(EQX_MODELS_NO_AMX) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #define EQX_MODELS_HAVE_AMX 1
 #include <cpuid.h>
 #include <immintrin.h>
@@ -46,6 +49,7 @@ class PackedRows {
   PackedRows(const uint16_t* x, int64_t rows, int64_t K)
       : rows_(rows), padded_((rows + 2 * kRows - 1) / (2 * kRows) * (2 * kRows)), k_blocks_(K / kBlock),
         data_(static_cast<uint16_t*>(std::aligned_alloc(64, padded_ * K * 2 > 0 ? padded_ * K * 2 : 64))) {
+    if (data_ == nullptr) return;
     for (int64_t m16 = 0; m16 < padded_ / kRows; ++m16)
       for (int64_t kb = 0; kb < k_blocks_; ++kb) {
         uint32_t* lines = reinterpret_cast<uint32_t*>(block(m16, kb));  // [pair r][row i]
@@ -66,6 +70,7 @@ class PackedRows {
   uint16_t* block(int64_t m16, int64_t kb) const { return data_ + (m16 * k_blocks_ + kb) * kRows * kBlock; }
   int64_t rows() const { return rows_; }
   int64_t padded_rows() const { return padded_; }
+  bool allocated() const { return data_ != nullptr; }
 
  private:
   int64_t rows_, padded_, k_blocks_;
@@ -82,20 +87,28 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {16, 16, 16, 16, 16, 16, 16, 16};
 };
 
-// Whether the CPU has AMX with bfloat16 and the kernel let this process use it.
-// EQX_MODELS_AMX=0 (or EQX_MODELS_KERNELS_PORTABLE) turns it off.
-inline bool request_tiles() {
+// Whether the CPU has AMX with bfloat16 (and AVX-512 for the stores).
+// EQX_MODELS_AMX=0 (or EQX_MODELS_KERNELS_PORTABLE) says no.
+inline bool cpu_has_tiles() {
   if (std::getenv("EQX_MODELS_KERNELS_PORTABLE") != nullptr) return false;
   if (const char* flag = std::getenv("EQX_MODELS_AMX"); flag != nullptr && std::strcmp(flag, "0") == 0) return false;
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx)) return false;
   const bool amx_bf16 = (edx >> 22) & 1u, amx_tile = (edx >> 24) & 1u;
-  if (!amx_bf16 || !amx_tile || !__builtin_cpu_supports("avx512f")) return false;
-  constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
-  return syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return amx_bf16 && amx_tile && __builtin_cpu_supports("avx512f");
 }
 
-inline const bool kAvailable = request_tiles();
+// Whether this process may use the tiles: Linux grants them on request, once per
+// process (all threads). Asked on first use, not when the library loads: the
+// granted state enlarges every signal frame, and Linux then refuses alternate
+// signal stacks smaller than that.
+inline bool available() {
+  static const bool granted = [] {
+    constexpr long kRequestPermission = 0x1023, kTileData = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return cpu_has_tiles() && syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  }();
+  return granted;
+}
 
 // Sum tile `t` (16 weight rows by 16 activation rows) into y[m, n], rows m beyond
 // the activations dropped.
@@ -163,7 +176,8 @@ AMX_BF16 inline void product(const PackedRows& x, const uint16_t* w, float* y, i
   _tile_release();
 }
 #else
-inline const bool kAvailable = false;
+inline bool cpu_has_tiles() { return false; }
+inline bool available() { return false; }
 inline void product(const PackedRows&, const uint16_t*, float*, int64_t, int64_t, int64_t, int64_t) {}
 #endif
 

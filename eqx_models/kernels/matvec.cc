@@ -7,9 +7,10 @@
 // inside `jax.lax.scan` the layer's slice is read where it lies: XLA:CPU copies a
 // dynamically sliced operand before its own `dot`, which doubles the memory traffic
 // of a decode step. Weights are float32 or bfloat16 (widened in registers, so the
-// bytes read halve and the arithmetic stays float32); activations and results are
-// float32. Chunks of weight rows are spread over the helper threads of
-// parallel_for.h.
+// bytes read halve and the arithmetic stays float32); activations float32 or
+// bfloat16, results float32. bfloat16 rows against bfloat16 weights on a CPU with
+// AMX go to its tiles (amx.h), a prompt's rows too. Chunks of weight rows are
+// spread over the helper threads of parallel_for.h.
 
 #include <algorithm>
 #include <cstdint>
@@ -388,6 +389,8 @@ ffi::Error StackedMatvec(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer,
                            (*y)->typed_data(), N});
   }
 
+  if (rows == 0) return ffi::Error::Success();  // nothing to write (the loops below take 0 rows for 8)
+
   // Chunks of each projection's rows, numbered across the projections.
   auto split = [&](auto rows_per_chunk) {
     int64_t chunks = 0;
@@ -407,8 +410,9 @@ ffi::Error StackedMatvec(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> layer,
   // bfloat16 activations come as they are: given them widened to float32, XLA
   // may drop a rounding to bfloat16 and its widening as a pair, and the values
   // that arrive are no longer bfloat16.
-  if (bf16 && x_bf16 && tiles_fit && amx::kAvailable && rows >= kAmxMinRows) {
+  if (bf16 && x_bf16 && tiles_fit && rows >= kAmxMinRows && amx::available()) {
     const amx::PackedRows packed(static_cast<const uint16_t*>(x.untyped_data()), rows, K);
+    if (!packed.allocated()) return ffi::Error(ffi::ErrorCode::kResourceExhausted, "stacked_matvec: out of memory");
     const int64_t chunks = split(amx_chunk_rows(K));
     eqx_models::parallel_for(chunks, [&](int64_t c) {
       const Projection& p = projection_of(c);
@@ -447,5 +451,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxStackedMatvec, StackedMatvec,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-// Whether bfloat16 products of many rows run on AMX tiles here.
-extern "C" int EqxBf16Tiles() { return eqx_models::amx::kAvailable ? 1 : 0; }
+// Whether this CPU has AMX bfloat16 tiles, and whether this process may use them
+// (asking Linux for them, once).
+extern "C" int EqxBf16TilesOnCpu() { return eqx_models::amx::cpu_has_tiles() ? 1 : 0; }
+extern "C" int EqxBf16Tiles() { return eqx_models::amx::available() ? 1 : 0; }

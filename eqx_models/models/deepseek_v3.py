@@ -45,7 +45,7 @@ from ..config import CacheLayout, ConfigError, DecoderConfig, decoder_config_fro
 from ..nn.attention import LayerInputs, attend
 from ..nn.decoder import DecoderLayer
 from ..kernels import headwise_matvec
-from ..nn.linear import INIT_STD, LayerSlice, Linear, use_matvec_kernel
+from ..nn.linear import INIT_STD, MAX_KERNEL_ROWS, LayerSlice, Linear, use_matvec_kernel
 from ..nn.mlp import GatedMLP
 from ..nn.moe import SparseMoeBlock, dense_mlp
 from ..nn.norm import RMSNorm
@@ -184,7 +184,10 @@ class MultiHeadLatentAttention(eqx.Module):
         q_rope = self.rotate(q[..., nope:].transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
         k_rope = self.rotate(compressed[:, None, :, rank:], inputs.cos, inputs.sin)
         weight = self.kv_b_proj.weight
-        if seq == 1 and cached is not None and isinstance(weight, LayerSlice) and use_matvec_kernel(x[:, 0], weight):
+        # A few rows only: `headwise_matvec` has no tiles for many (use_matvec_kernel
+        # alone would also say yes to a bfloat16 batch of any size on a CPU with AMX).
+        decode = seq == 1 and cached is not None and isinstance(weight, LayerSlice) and batch <= MAX_KERNEL_ROWS
+        if decode and use_matvec_kernel(x[:, 0], weight):
             # Decode: the expansions are read where they lie in the stacked weight.
             expand = lambda t, start, rows, transpose: headwise_matvec(
                 t, weight.stack, weight.index, heads=heads, row_start=start, rows=rows, transpose=transpose
