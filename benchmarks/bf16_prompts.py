@@ -27,7 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from decode import RESULTS
+
 LAYERS = 28
 SHAPES = {"q/k/v": (4096, 1024), "gate/up": (6144, 1024), "down": (1024, 3072)}  # out, in
 ROWS = (1, 4, 8, 16, 32, 128, 512)

@@ -134,7 +134,6 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(library.EqxTakeRows), platform="cpu")
     _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
-    _features["bf16_tiles_cpu"] = bool(library.EqxBf16TilesOnCpu())
     _requests["bf16_tiles"] = library.EqxBf16Tiles
     return None
 
@@ -170,15 +169,15 @@ def bf16_tiles_available() -> bool:
     activations against bfloat16 weights too: the CPU backend with the kernels
     available, on a CPU with AMX (bfloat16 tiles) that the OS lets this process
     use. `EQX_MODELS_AMX=0` turns it off."""
-    return (jax.default_backend() == "cpu" and kernels_available() and _features.get("bf16_tiles_cpu", False)
-            and _bf16_tiles_granted())
+    return jax.default_backend() == "cpu" and kernels_available() and _bf16_tiles_granted()
 
 
 @functools.cache
 def _bf16_tiles_granted() -> bool:
     # Asked for on the first bfloat16 product, not when the library loads: once
     # granted, the AMX state enlarges every signal frame of the process (and Linux
-    # then refuses smaller alternate signal stacks).
+    # then refuses smaller alternate signal stacks). A CPU without AMX is answered
+    # without asking.
     return bool(_requests["bf16_tiles"]())
 
 

@@ -451,7 +451,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(EqxStackedMatvec, StackedMatvec,
                                   .RemainingArgs()
                                   .RemainingRets());
 
-// Whether this CPU has AMX bfloat16 tiles, and whether this process may use them
-// (asking Linux for them, once).
-extern "C" int EqxBf16TilesOnCpu() { return eqx_models::amx::cpu_has_tiles() ? 1 : 0; }
+// Whether this CPU has AMX bfloat16 tiles and this process may use them (asking
+// Linux for them, once, where the CPU has them).
 extern "C" int EqxBf16Tiles() { return eqx_models::amx::available() ? 1 : 0; }
