@@ -2,6 +2,10 @@
 kernel multiplies them (see `eqx_models.quantization`)."""
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +79,32 @@ def test_tiled_products_equal_the_float64_product(group_size, rows):
     x = jax.random.normal(jax.random.key(rows), (rows, 1024))
     (got,) = jax.jit(quantized_matvecs)(x, (stack,), jnp.int32(1))
     close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
+
+
+@pytest.mark.parametrize("streams", ["0", "1"])
+def test_tiles_read_as_one_stream_or_several_give_the_product(streams):
+    """Decode (one or two activation rows) reads stored tiles as four streams on
+    Intel CPUs and as one on AMD (EQX_MODELS_QUANTIZED_STREAMS forces either, in a
+    fresh process: the library reads it once). 304 rows leave tiles over after the
+    streams' share; 512 and 2048 rows split into whole runs."""
+    script = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import jax, jax.numpy as jnp, numpy as np
+from test_quantization import close_to_float64, heavy_tailed, layer_weight, product_float64
+from eqx_models.kernels import quantized_matvecs
+from eqx_models.quantization import quantize_weight
+for out_features in (304, 512, 2048):
+    for group_size in (32, 128):
+        stack = quantize_weight(heavy_tailed((2, out_features, 1024), seed=out_features), 8, group_size,
+                                layout="tiles")
+        for rows in (1, 2, 3):
+            x = jax.random.normal(jax.random.key(rows), (rows, 1024))
+            (got,) = quantized_matvecs(x, (stack,), jnp.int32(1))
+            close_to_float64(got, product_float64(x, stack, 1), x, np.abs(layer_weight(stack, 1)))
+"""
+    env = dict(os.environ, EQX_MODELS_QUANTIZED_STREAMS=streams)
+    subprocess.run([sys.executable, "-c", script], env=env, check=True)
 
 
 @pytest.mark.parametrize("scale_dtype", [jnp.float16, jnp.bfloat16])
