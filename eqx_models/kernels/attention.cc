@@ -121,6 +121,16 @@ inline const float* widened(const int8_t* row, int64_t n, float* out) {
   return out;
 }
 
+// Slots whose key (value) row is fetched ahead of the one being read. A head's
+// rows are read once each, in order, with little work between them; the hardware
+// prefetchers alone kept bfloat16 decode attention at about 11 GB/s (1024 slots,
+// 2 cores).
+constexpr int64_t kSlotsAhead = 8;
+
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(row) + line);
+}
+
 // One (batch row, kv head): scores for all slots, softmax, weighted sum of values.
 // Slots are visited in order, so keys and values stream from memory once each.
 template <typename T>
@@ -161,6 +171,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (s == S) {
       score(k_new, 1.0f);
     } else {
+      if (s + kSlotsAhead < S) prefetch_row(keys + p.slot_row(b, h, s + kSlotsAhead) * D, D * sizeof(T));
       const int64_t slot = p.slot_row(b, h, s);
       if constexpr (std::is_same_v<T, int8_t>)
         score(widened(keys + slot * D, D, row.data()), p.key_scales[slot]);
@@ -190,6 +201,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (s == S) {
       accumulate(v_new, 1.0f);
     } else {
+      if (s + kSlotsAhead < S) prefetch_row(values + p.slot_row(b, h, s + kSlotsAhead) * p.value_stride, Dv * sizeof(T));
       const int64_t slot = p.slot_row(b, h, s);
       if constexpr (std::is_same_v<T, int8_t>)
         accumulate(widened(values + slot * p.value_stride, Dv, row.data()), p.value_scales[slot]);
