@@ -587,3 +587,38 @@ def _forward_reference(stacks, table):
     for i in range(6):
         x = jnp.tanh(x @ stacks[0][i].astype(jnp.float32).T) @ stacks[1][i].astype(jnp.float32).T
     return x
+
+
+GREEDY_CASES = """
+import jax, jax.numpy as jnp, numpy as np
+from eqx_models.kernels import greedy_rows
+rng = np.random.default_rng(0)
+for width in (1, 3, 15, 16, 17, 33, 151937):
+    rows = rng.normal(size=(5, width)).astype(np.float32)
+    rows[1, [0, width - 1]] = 50.0  # a tie: the first (one position when width is 1)
+    rows[2, width // 2] = np.nan
+    rows[2, width - 1] = np.nan  # two NaNs: the first
+    rows[3] = -np.inf
+    rows[4, width - 1] = np.inf
+    got = np.asarray(jax.jit(greedy_rows)(jnp.asarray(rows)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(rows, axis=-1), err_msg=str(width))
+np.testing.assert_array_equal(np.asarray(greedy_rows(jnp.zeros((2, 3, 7)).at[1, 2, 4].set(1.0))),
+                              [[0, 0, 0], [0, 0, 4]])
+"""
+
+
+@pytest.mark.parametrize("path", ["vector", "portable"])
+def test_greedy_rows_are_numpys_argmax(path):
+    """First position of the largest value, a NaN the largest, rows of -inf pick 0,
+    widths that are not whole blocks of lanes; the portable loops forced on this CPU
+    in a fresh process (the library picks its path once)."""
+    env = dict(os.environ, **({"EQX_MODELS_KERNELS_PORTABLE": "1"} if path == "portable" else {}))
+    subprocess.run([sys.executable, "-c", GREEDY_CASES], env=env, check=True)
+
+
+def test_greedy_rows_refuses_an_empty_vocabulary():
+    from eqx_models.kernels import greedy_rows
+
+    with pytest.raises(ValueError, match="empty last axis"):
+        greedy_rows(jnp.zeros((2, 0)))

@@ -23,6 +23,8 @@ step otherwise moves each layer's weights and cache slice two or three times.
 - `quantized_matvecs(x, stacks, layer)`: `stacked_matvecs` for group-quantized
   int8 / int4 weights, widened in registers (no float copy of any weight); with
   AVX-512 VNNI (`quantized_tiles_available()`) also the product for a prompt's rows.
+- `greedy_rows(logits)`: the argmax of each row (first position of the largest
+  value, or of the first NaN), two passes over a row XLA:CPU took 250 us to reduce.
 - `index_layer`, `take_rows`, `gather_pages`: a layer of a stack, rows of a table,
   a layer's KV pages, 16-bit floats copied as raw bytes (XLA:CPU would copy or
   widen the whole array).
@@ -59,7 +61,8 @@ from ..sharding import spans_devices
 SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in (
-        "matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc", "gather.cc"
+        "matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc", "gather.cc",
+        "greedy.cc"
     )
 )
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("amx.h", "bfloat16.h", "parallel_for.h"))
@@ -72,6 +75,7 @@ DELTA_RULE_TARGET = "eqx_models_delta_rule_step"
 HEADWISE_TARGET = "eqx_models_headwise_matvec"
 QUANTIZED_TARGET = "eqx_models_quantized_matvec"
 TAKE_ROWS_TARGET = "eqx_models_take_rows"
+GREEDY_TARGET = "eqx_models_greedy_rows"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
@@ -133,6 +137,7 @@ def _load() -> str | None:
     jax.ffi.register_ffi_target(HEADWISE_TARGET, jax.ffi.pycapsule(library.EqxHeadwiseMatvec), platform="cpu")
     jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
     jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(library.EqxTakeRows), platform="cpu")
+    jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(library.EqxGreedyRows), platform="cpu")
     _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
     _requests["bf16_tiles"] = library.EqxBf16Tiles
     return None
@@ -374,6 +379,30 @@ def _take(table: Array, layer: Array, ids: Array) -> Array:
     if table.dtype.itemsize == 2 and table.shape[1] > 0:
         return _dispatch(_rows_kernel, _rows_reference, table, layer, ids)
     return _rows_reference(table, layer, ids)
+
+
+def _greedy_reference(logits: Array) -> Array:
+    # Two plain reductions: XLA:CPU's argmax is one reduction over (value, index)
+    # pairs that it does not vectorise (0.67 ms over 151,936 logits against 0.14 ms
+    # this way on a 2-core AMD EPYC).
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    positions = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    first = (logits == top) | jnp.isnan(logits)  # a NaN is the max (NumPy's rule); it equals nothing
+    return jnp.min(jnp.where(first, positions, logits.shape[-1]), axis=-1)
+
+
+def _greedy_kernel(logits: Array) -> Array:
+    out = jax.ShapeDtypeStruct(logits.shape[:-1], jnp.int32)
+    return jax.ffi.ffi_call(GREEDY_TARGET, out, vmap_method="expand_dims")(logits)
+
+
+def greedy_rows(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:
+    """`jnp.argmax(logits, axis=-1)` as int32: the first position of each row's
+    largest value, or of its first NaN. Not differentiable (an index)."""
+    logits = logits.astype(jnp.float32)
+    if logits.shape[-1] == 0:
+        raise ValueError("greedy_rows: the logits have an empty last axis; there is no token to pick.")
+    return _dispatch(_greedy_kernel, _greedy_reference, logits)
 
 
 @jax.custom_jvp
