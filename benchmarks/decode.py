@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import eqx_models
-from eqx_models.generation import DecodeState, Sampling, _decode_step, _prefill
+from eqx_models.generation import DecodeState, Sampling, _decode_step, _prefill, _decode_stepper
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -104,8 +104,10 @@ def prepare_ours(model, prompt: np.ndarray, new_tokens: int, cache_dtype: str | 
         current["state"], token = _prefill(model, ids, mask, key, max_length, sampling, (), cache_dtype)
         jax.block_until_ready(token)
 
+    decode = _decode_stepper(model, sampling)  # the step `generate` runs
+
     def step():
-        current["state"], token = _decode_step(model, current["state"], sampling, (), 0)
+        current["state"], token = decode(current["state"])
         jax.block_until_ready(token)
 
     figures = {
