@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 import eqx_models
-from eqx_models.generation import DecodeState, Sampling, _decode_step, _prefill, _decode_stepper
+from eqx_models.generation import DecodeState, Sampling, _decode_step, _decode_stepper, _prefill
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
