@@ -208,7 +208,15 @@ def attention_float64(query, keys, values, valid, self_valid, new_key, new_value
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize(
     "layers, batch, kv_heads, groups, kv_seq, head_dim",
-    [(3, 2, 2, 2, 7, 16), (2, 1, 8, 2, 300, 128), (2, 3, 1, 4, 33, 12), (1, 2, 4, 1, 64, 64)],
+    [
+        (3, 2, 2, 2, 7, 16),
+        (2, 1, 8, 2, 300, 128),
+        (2, 3, 1, 4, 33, 12),
+        (1, 2, 4, 1, 64, 64),
+        (2, 2, 2, 4, 50, 128),  # four query heads a group: two passes over the value columns
+        (1, 2, 1, 8, 40, 256),  # eight, wide heads
+        (1, 2, 2, 3, 20, 32),  # three: the one-head-at-a-time path
+    ],
 )
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_heads, groups, kv_seq, head_dim, with_sinks):
@@ -240,7 +248,7 @@ NO_SCALES = (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
 
 @pytest.mark.parametrize(
     "layers, batch, kv_heads, groups, kv_seq, head_dim",
-    [(3, 2, 2, 2, 7, 16), (2, 1, 8, 2, 300, 128), (2, 3, 1, 4, 33, 12)],
+    [(3, 2, 2, 2, 7, 16), (2, 1, 8, 2, 300, 128), (2, 3, 1, 4, 33, 12), (2, 2, 2, 4, 45, 64)],
 )
 def test_int8_decode_attention_equals_float64_attention_over_the_scaled_rows(
     layers, batch, kv_heads, groups, kv_seq, head_dim

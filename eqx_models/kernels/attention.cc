@@ -112,7 +112,7 @@ struct Problem {
 };
 
 // Sixteen partial sums, as `dot`.
-inline float sum(const float* a, int64_t n) {
+__attribute__((always_inline)) inline float sum(const float* a, int64_t n) {
   float partial[16] = {0};
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -127,7 +127,7 @@ inline float sum(const float* a, int64_t n) {
 // library call per element): x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
 // polynomial to r^7 (within about one float32 ulp), 2^n built in the exponent bits.
 // Below -87 (masked slots are -inf) the result is exactly 0.
-inline float exp_nonpositive(float x) {
+__attribute__((always_inline)) inline float exp_nonpositive(float x) {
   const float clamped = std::max(x, -87.0f);
   // Rounded to the nearest integer by adding and taking away 1.5 * 2^23.
   const float n = (clamped * 1.44269504f + 12582912.0f) - 12582912.0f;
@@ -243,6 +243,123 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   }
 }
 
+// Sixteen int8 values widened.
+inline Lanes load_lanes(const int8_t* from) {
+  typedef int8_t Bytes __attribute__((vector_size(16)));
+  Bytes raw;
+  std::memcpy(&raw, from, sizeof(raw));
+  return __builtin_convertvector(raw, Lanes);
+}
+
+// What attend_group keeps in registers: per pass over the slots, G * W vectors of
+// value sums (W vectors of 16 columns for each of the G query heads).
+constexpr int kSumVectors = 16;
+
+// attend_one for head and value widths that are whole vectors of 16, with the G
+// query heads of the group taken together: each key row is loaded once for all G
+// scores, and the weighted sums of the values stay in registers over all slots
+// (one pass per W vectors of columns) instead of being read and written back at
+// every slot. On the 2-core Xeon (bfloat16, 8 kv heads of 2 query heads, D = 128,
+// a scan over 28 layers): 161 slots 34 -> 28 us a layer, 1024 slots 238 -> 173;
+// inside the int8 Qwen3-0.6B decode step 43 -> 38 us.
+template <typename T, int G, int W>
+__attribute__((always_inline)) inline void attend_group(const Problem& p, int64_t b, int64_t h, bool any,
+                                                        std::vector<float>& scores) {
+  const int64_t S = p.S, D = p.D, Dv = p.Dv;
+  const T* keys = static_cast<const T*>(p.keys);
+  const T* values = static_cast<const T*>(p.values);
+  const bool* valid = p.valid + b * S;
+  const float* q = p.q + (b * p.H + h) * G * D;
+  const float* sinks = p.sinks + h * G;
+  float* out = p.out + (b * p.H + h) * G * Dv;
+  const bool self_allowed = !any || p.self_valid[b];
+
+  // scores[g * (S + 1) + s], slot S this step's own key; masked slots stay -inf.
+  scores.assign(G * (S + 1), -INFINITY);
+  float top[G], total[G];
+  for (int g = 0; g < G; ++g) top[g] = -INFINITY;
+  auto score = [&](const auto* key, float factor, int64_t s) {
+    Lanes partial[G] = {};
+    for (int64_t d = 0; d < D; d += 16) {
+      const Lanes k = load_lanes(key + d);
+      for (int g = 0; g < G; ++g) partial[g] += load_lanes(q + g * D + d) * k;
+    }
+    for (int g = 0; g < G; ++g) {
+      const float value = factor * lane_total(partial[g]);
+      scores[g * (S + 1) + s] = value;
+      top[g] = std::max(top[g], value);
+    }
+  };
+  for (int64_t s = 0; s < S; ++s) {
+    if (any && !valid[s]) continue;
+    if (s + kSlotsAhead < S) prefetch_row(keys + p.slot_row(b, h, s + kSlotsAhead) * D, D * sizeof(T));
+    const int64_t slot = p.slot_row(b, h, s);
+    score(keys + slot * D, std::is_same_v<T, int8_t> ? p.scale * p.key_scales[slot] : p.scale, s);
+  }
+  if (self_allowed) score(p.k_new + (b * p.H + h) * D, p.scale, S);
+
+  for (int g = 0; g < G; ++g) {
+    top[g] = std::max(top[g], sinks[g]);
+    float* sg = scores.data() + g * (S + 1);
+    for (int64_t s = 0; s <= S; ++s) sg[s] = exp_nonpositive(sg[s] - top[g]);
+    total[g] = sum(sg, S + 1) + exp_nonpositive(sinks[g] - top[g]);  // 0 without a sink (-inf)
+    for (int64_t s = 0; s <= S; ++s) sg[s] /= total[g];
+  }
+
+  for (int64_t c0 = 0; c0 < Dv; c0 += 16 * W) {
+    Lanes sums[G][W] = {};
+    auto accumulate = [&](const auto* value, float value_scale, int64_t s) {
+      Lanes v[W];
+      for (int c = 0; c < W; ++c) v[c] = load_lanes(value + 16 * c);
+      for (int g = 0; g < G; ++g) {
+        const float weight = scores[g * (S + 1) + s] * value_scale;
+        for (int c = 0; c < W; ++c) sums[g][c] += weight * v[c];
+      }
+    };
+    for (int64_t s = 0; s < S; ++s) {
+      if (any && !valid[s]) continue;
+      if (s + kSlotsAhead < S)
+        prefetch_row(values + p.slot_row(b, h, s + kSlotsAhead) * p.value_stride + c0, 16 * W * sizeof(T));
+      const int64_t slot = p.slot_row(b, h, s);
+      accumulate(values + slot * p.value_stride + c0, std::is_same_v<T, int8_t> ? p.value_scales[slot] : 1.0f, s);
+    }
+    if (self_allowed) accumulate(p.v_new + (b * p.H + h) * Dv + c0, 1.0f, S);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < W; ++c) std::memcpy(out + g * Dv + c0 + 16 * c, &sums[g][c], sizeof(Lanes));
+  }
+}
+
+// attend_group's widths of a pass: the most vectors of each query head's columns
+// (a power of two dividing Dv / 16) that keep G * W within kSumVectors.
+template <typename T, int G>
+__attribute__((always_inline)) inline void attend_group_any_width(const Problem& p, int64_t b, int64_t h, bool any,
+                                                                  std::vector<float>& scores) {
+  const int64_t columns = p.Dv / 16;
+  if (G * 8 <= kSumVectors && columns % 8 == 0) return attend_group<T, G, (G * 8 <= kSumVectors ? 8 : 1)>(p, b, h, any, scores);
+  if (G * 4 <= kSumVectors && columns % 4 == 0) return attend_group<T, G, (G * 4 <= kSumVectors ? 4 : 1)>(p, b, h, any, scores);
+  if (G * 2 <= kSumVectors && columns % 2 == 0) return attend_group<T, G, (G * 2 <= kSumVectors ? 2 : 1)>(p, b, h, any, scores);
+  attend_group<T, G, 1>(p, b, h, any, scores);
+}
+
+// attend_group where it applies (widths whole vectors, 1, 2, 4 or 8 query heads a
+// group), else attend_one.
+template <typename T>
+__attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores,
+                                                  std::vector<float>& row) {
+  if (p.D % 16 == 0 && p.Dv % 16 == 0) {
+    bool any = p.self_valid[b];
+    for (int64_t s = 0; s < p.S && !any; ++s) any = p.valid[b * p.S + s];
+    switch (p.G) {
+      case 1: return attend_group_any_width<T, 1>(p, b, h, any, scores);
+      case 2: return attend_group_any_width<T, 2>(p, b, h, any, scores);
+      case 4: return attend_group_any_width<T, 4>(p, b, h, any, scores);
+      case 8: return attend_group_any_width<T, 8>(p, b, h, any, scores);
+      default: break;
+    }
+  }
+  attend_one<T>(p, b, h, scores, row);
+}
+
 // One clone per instruction set, chosen when the library loads.
 #if defined(__x86_64__)
 #define CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
@@ -250,13 +367,13 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
 #define CLONES
 #endif
 CLONES void attend_f32(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
-  attend_one<float>(p, b, h, scores, row);
+  attend<float>(p, b, h, scores, row);
 }
 CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
-  attend_one<uint16_t>(p, b, h, scores, row);
+  attend<uint16_t>(p, b, h, scores, row);
 }
 CLONES void attend_s8(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
-  attend_one<int8_t>(p, b, h, scores, row);
+  attend<int8_t>(p, b, h, scores, row);
 }
 
 void run(const Problem& problem) {
