@@ -879,16 +879,6 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
   const float* dw = per_group > 1 ? repeated.data() : columns.data();
   int64_t n = n0;
   const int64_t tile_scale_bytes = kTile * groups * sizeof(uint16_t);
-  const int64_t per_stream = (n1 - n0) / kTile / kStreams;
-  if (w.tiled && kStreamTiles && a.rows <= kStreamedRows && per_stream > 0) {
-    std::vector<float> tables(kStreams * kTile * blocks);
-    if (a.rows == 1)
-      streamed_tiles<1>(w, a, n0, per_stream, group, tables.data());
-    else
-      streamed_tiles<2>(w, a, n0, per_stream, group, tables.data());
-    n += kStreams * per_stream * kTile;
-    if (n + kTile > n1) return n;
-  }
   if (w.tiled) {  // the chunk's first blocks and scales; the products fetch the rest on the way
     prefetch(w.packed + n * K, std::min(kTile * K, kTile * kBlock * kStoredAhead));
     prefetch(w.scales + n * groups, tile_scale_bytes);
@@ -954,6 +944,23 @@ AVX512_VNNI void rows_vnni(const Weights& w, const QuantizedActivations& a, int6
       default: rows_vnni_fixed<Bits, 8>(w, a, b0, n0, n1, group, s); break;
     }
   }
+}
+
+// Rows [n0, n1) of stored int8 tiles against one or two activation rows (with
+// kStreamTiles): streamed_tiles, then the few tiles after its whole runs one at a
+// time. The scale tables are the thread's own, kept from call to call (tiles_vnni
+// allocates its packing buffer and tables per chunk, which stored tiles never use).
+AVX512_VNNI void streamed_chunk(const Weights& w, const QuantizedActivations& a, int64_t n0, int64_t n1,
+                                int64_t group) {
+  thread_local std::vector<float> tables;
+  tables.resize(kStreams * kTile * (a.K / kBlock));
+  const int64_t per_stream = (n1 - n0) / kTile / kStreams;
+  if (a.rows == 1)
+    streamed_tiles<1>(w, a, n0, per_stream, group, tables.data());
+  else
+    streamed_tiles<2>(w, a, n0, per_stream, group, tables.data());
+  const int64_t rest = n0 + kStreams * per_stream * kTile;
+  if (rest < n1) tiles_vnni<8>(w, a, rest, n1, group);
 }
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
@@ -1176,7 +1183,9 @@ ffi::Error QuantizedMatvec(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> layer,
     while (weights[j].first_chunk > c) --j;
     const Weights& w = weights[j];
     const int64_t n0 = (c - w.first_chunk) * w.chunk, n1 = n0 + w.chunk < w.N ? n0 + w.chunk : w.N;
-    if (quantized)
+    if (w.tiled && kStreamTiles && rows <= kStreamedRows)
+      streamed_chunk(w, *quantized, n0, n1, group);
+    else if (quantized)
       rows_int(w, *quantized, n0, n1, bits, group);
     else
       rows_any(w, xs, x_sums.empty() ? nullptr : x_sums.data(), rows, n0, n1, K, bits, group);
