@@ -335,9 +335,12 @@ template <typename T, int G>
 __attribute__((always_inline)) inline void attend_group_any_width(const Problem& p, int64_t b, int64_t h, bool any,
                                                                   std::vector<float>& scores) {
   const int64_t columns = p.Dv / 16;
-  if (G * 8 <= kSumVectors && columns % 8 == 0) return attend_group<T, G, (G * 8 <= kSumVectors ? 8 : 1)>(p, b, h, any, scores);
-  if (G * 4 <= kSumVectors && columns % 4 == 0) return attend_group<T, G, (G * 4 <= kSumVectors ? 4 : 1)>(p, b, h, any, scores);
-  if (G * 2 <= kSumVectors && columns % 2 == 0) return attend_group<T, G, (G * 2 <= kSumVectors ? 2 : 1)>(p, b, h, any, scores);
+  // Widths that would not fit stay 1, so that no such attend_group is instantiated.
+  constexpr int W8 = G * 8 <= kSumVectors ? 8 : 1, W4 = G * 4 <= kSumVectors ? 4 : 1;
+  constexpr int W2 = G * 2 <= kSumVectors ? 2 : 1;
+  if (W8 == 8 && columns % 8 == 0) return attend_group<T, G, W8>(p, b, h, any, scores);
+  if (W4 == 4 && columns % 4 == 0) return attend_group<T, G, W4>(p, b, h, any, scores);
+  if (W2 == 2 && columns % 2 == 0) return attend_group<T, G, W2>(p, b, h, any, scores);
   attend_group<T, G, 1>(p, b, h, any, scores);
 }
 
