@@ -31,12 +31,14 @@
 
 #include "bfloat16.h"
 #include "parallel_for.h"
+#include "prefetch.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using eqx_models::prefetch_lines;
 using eqx_models::to_float;
 
 
@@ -159,10 +161,6 @@ inline const float* widened(const int8_t* row, int64_t n, float* out) {
 // 2 cores).
 constexpr int64_t kSlotsAhead = 8;
 
-inline void prefetch_row(const void* row, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(row) + line);
-}
-
 // One (batch row, kv head): scores for all slots, softmax, weighted sum of values.
 // Slots are visited in order, so keys and values stream from memory once each.
 template <typename T>
@@ -203,7 +201,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (s == S) {
       score(k_new, 1.0f);
     } else {
-      if (s + kSlotsAhead < S) prefetch_row(keys + p.slot_row(b, h, s + kSlotsAhead) * D, D * sizeof(T));
+      if (s + kSlotsAhead < S) prefetch_lines(keys + p.slot_row(b, h, s + kSlotsAhead) * D, D * sizeof(T));
       const int64_t slot = p.slot_row(b, h, s);
       if constexpr (std::is_same_v<T, int8_t>)
         score(widened(keys + slot * D, D, row.data()), p.key_scales[slot]);
@@ -233,7 +231,7 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
     if (s == S) {
       accumulate(v_new, 1.0f);
     } else {
-      if (s + kSlotsAhead < S) prefetch_row(values + p.slot_row(b, h, s + kSlotsAhead) * p.value_stride, Dv * sizeof(T));
+      if (s + kSlotsAhead < S) prefetch_lines(values + p.slot_row(b, h, s + kSlotsAhead) * p.value_stride, Dv * sizeof(T));
       const int64_t slot = p.slot_row(b, h, s);
       if constexpr (std::is_same_v<T, int8_t>)
         accumulate(widened(values + slot * p.value_stride, Dv, row.data()), p.value_scales[slot]);
@@ -292,7 +290,7 @@ __attribute__((always_inline)) inline void attend_group(const Problem& p, int64_
   };
   for (int64_t s = 0; s < S; ++s) {
     if (any && !valid[s]) continue;
-    if (s + kSlotsAhead < S) prefetch_row(keys + p.slot_row(b, h, s + kSlotsAhead) * D, D * sizeof(T));
+    if (s + kSlotsAhead < S) prefetch_lines(keys + p.slot_row(b, h, s + kSlotsAhead) * D, D * sizeof(T));
     const int64_t slot = p.slot_row(b, h, s);
     score(keys + slot * D, std::is_same_v<T, int8_t> ? p.scale * p.key_scales[slot] : p.scale, s);
   }
@@ -319,7 +317,7 @@ __attribute__((always_inline)) inline void attend_group(const Problem& p, int64_
     for (int64_t s = 0; s < S; ++s) {
       if (any && !valid[s]) continue;
       if (s + kSlotsAhead < S)
-        prefetch_row(values + p.slot_row(b, h, s + kSlotsAhead) * p.value_stride + c0, 16 * W * sizeof(T));
+        prefetch_lines(values + p.slot_row(b, h, s + kSlotsAhead) * p.value_stride + c0, 16 * W * sizeof(T));
       const int64_t slot = p.slot_row(b, h, s);
       accumulate(values + slot * p.value_stride + c0, std::is_same_v<T, int8_t> ? p.value_scales[slot] : 1.0f, s);
     }

@@ -39,6 +39,7 @@
 
 #include "bfloat16.h"
 #include "parallel_for.h"
+#include "prefetch.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__x86_64__)
@@ -49,6 +50,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using eqx_models::prefetch_lines;
 using eqx_models::to_float;
 
 // IEEE half to float, exact (normals, subnormals, infinities, NaN).
@@ -621,12 +623,6 @@ const bool kStreamNonTemporal = [] {
   return __builtin_cpu_is("amd") != 0;
 }();
 
-// `bytes` from `from` fetched ahead for reading, line by line: `Locality` 3 into
-// every cache level (T0), 0 non-temporal (NTA).
-template <int Locality = 3>
-AVX512_VNNI inline void prefetch(const void* from, int64_t bytes) {
-  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(static_cast<const char*>(from) + line, 0, Locality);
-}
 
 // Rows a[r] of eight 32-bit words as eight vectors, out[d] holding word d of
 // every row in lanes 0..15: 4x4 interleaves within 128-bit lanes, then the lanes
@@ -778,9 +774,9 @@ AVX512_VNNI void tile_rows(const uint8_t* rows, __m512i* scratch, const __m512i*
     if (!rows && packed != scratch) {  // stored tiles: one stream through the tiles of the chunk and on
       const __m512i* ahead = packed + 8 * (c + kStoredAhead);
       if (kStreamNonTemporal)
-        prefetch<0>(ahead, sizeof(__m512i) * 8);
+        prefetch_lines<0>(ahead, sizeof(__m512i) * 8);
       else
-        prefetch<3>(ahead, sizeof(__m512i) * 8);
+        prefetch_lines<3>(ahead, sizeof(__m512i) * 8);
     }
     for (int i = 0; i < count; ++i) block_products<B>(packed, dw, a, b0, filled[i], acc);
   }
@@ -844,7 +840,7 @@ AVX512_VNNI void streamed_tiles(const Weights& w, const QuantizedActivations& a,
       const int64_t n = n0 + kTile * (s * per_stream + t);
       first_row[s] = n;
       tile[s] = reinterpret_cast<const __m512i*>(w.packed + n * K);
-      prefetch(w.scales + (n + kTile) * groups, tile_scale_bytes);
+      prefetch_lines(w.scales + (n + kTile) * groups, tile_scale_bytes);
       float* table = dw + s * kTile * blocks;
       widen(w.scales + n * groups, w.half, kTile * groups, table);
       for (int64_t g = groups - 1; per_group > 1 && g >= 0; --g)  // spread in place, last group first
@@ -854,7 +850,7 @@ AVX512_VNNI void streamed_tiles(const Weights& w, const QuantizedActivations& a,
     }
     for (int64_t j = 0; j < blocks; ++j)
       for (int s = 0; s < kStreams; ++s) {
-        prefetch(tile[s] + 8 * (j + kStreamAhead), sizeof(__m512i) * 8);  // past a tile's end: its run's next
+        prefetch_lines(tile[s] + 8 * (j + kStreamAhead), sizeof(__m512i) * 8);  // past a tile's end: its run's next
         block_products<B>(tile[s], dw + s * kTile * blocks, a, 0, j, acc[s]);
       }
     for (int s = 0; s < kStreams; ++s)
@@ -880,11 +876,11 @@ AVX512_VNNI int64_t tiles_vnni(const Weights& w, const QuantizedActivations& a, 
   int64_t n = n0;
   const int64_t tile_scale_bytes = kTile * groups * sizeof(uint16_t);
   if (w.tiled) {  // the chunk's first blocks and scales; the products fetch the rest on the way
-    prefetch(w.packed + n * K, std::min(kTile * K, kTile * kBlock * kStoredAhead));
-    prefetch(w.scales + n * groups, tile_scale_bytes);
+    prefetch_lines(w.packed + n * K, std::min(kTile * K, kTile * kBlock * kStoredAhead));
+    prefetch_lines(w.scales + n * groups, tile_scale_bytes);
   }
   for (; n + kTile <= n1; n += kTile) {
-    if (w.tiled) prefetch(w.scales + (n + kTile) * groups, tile_scale_bytes);  // the next tile's
+    if (w.tiled) prefetch_lines(w.scales + (n + kTile) * groups, tile_scale_bytes);  // the next tile's
     if (w.tiled)  // stored as columns already
       widen(w.scales + n * groups, w.half, kTile * groups, columns.data());
     else
