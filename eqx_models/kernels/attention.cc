@@ -161,10 +161,20 @@ inline const float* widened(const int8_t* row, int64_t n, float* out) {
 // 2 cores).
 constexpr int64_t kSlotsAhead = 8;
 
+// Whether row b attends to anything: its own key or any valid slot. A row with
+// nothing to attend to (a padding query) averages every slot, as the XLA path
+// does: its output is ignored, but it must stay finite.
+inline bool attends_to_any(const Problem& p, int64_t b) {
+  bool any = p.self_valid[b];
+  for (int64_t s = 0; s < p.S && !any; ++s) any = p.valid[b * p.S + s];
+  return any;
+}
+
 // One (batch row, kv head): scores for all slots, softmax, weighted sum of values.
 // Slots are visited in order, so keys and values stream from memory once each.
+// `any`: attends_to_any(p, b).
 template <typename T>
-__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h,
+__attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t b, int64_t h, bool any,
                                                       std::vector<float>& scores, std::vector<float>& row) {
   const int64_t S = p.S, D = p.D, G = p.G, Dv = p.Dv;
   const T* keys = static_cast<const T*>(p.keys);
@@ -176,11 +186,6 @@ __attribute__((always_inline)) inline void attend_one(const Problem& p, int64_t 
   const float* sinks = p.sinks + h * G;
   float* out = p.out + (b * p.H + h) * G * Dv;
   row.resize(std::max(D, Dv));
-
-  // A row with nothing to attend to (a padding query) averages every slot, as the
-  // XLA path does: its output is ignored, but it must stay finite.
-  bool any = p.self_valid[b];
-  for (int64_t s = 0; s < S && !any; ++s) any = valid[s];
 
   // scores[g * (S + 1) + s]; slot S is this step's own key. Masked slots stay at
   // -inf, so their weight below is exp(-inf) = 0.
@@ -347,9 +352,8 @@ __attribute__((always_inline)) inline void attend_group_any_width(const Problem&
 template <typename T>
 __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores,
                                                   std::vector<float>& row) {
+  const bool any = attends_to_any(p, b);
   if (p.D % 16 == 0 && p.Dv % 16 == 0) {
-    bool any = p.self_valid[b];
-    for (int64_t s = 0; s < p.S && !any; ++s) any = p.valid[b * p.S + s];
     switch (p.G) {
       case 1: return attend_group_any_width<T, 1>(p, b, h, any, scores);
       case 2: return attend_group_any_width<T, 2>(p, b, h, any, scores);
@@ -358,7 +362,7 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
       default: break;
     }
   }
-  attend_one<T>(p, b, h, scores, row);
+  attend_one<T>(p, b, h, any, scores, row);
 }
 
 // One clone per instruction set, chosen when the library loads.

@@ -623,7 +623,6 @@ const bool kStreamNonTemporal = [] {
   return __builtin_cpu_is("amd") != 0;
 }();
 
-
 // Rows a[r] of eight 32-bit words as eight vectors, out[d] holding word d of
 // every row in lanes 0..15: 4x4 interleaves within 128-bit lanes, then the lanes
 // gathered in row order.
