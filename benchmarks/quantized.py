@@ -25,9 +25,9 @@ F16). For each precision the two systems take turns, twice: ours decodes 32 toke
 after a 128-token prompt, four times, and reports the mean tokens per second of the
 four runs (batch 1; see decode_generations), and prefills 512 tokens (best of
 three); llama-bench runs `-p 0 -n 32 -d 128` (32 tokens decoded after 128 in the
-cache, three times, the mean of the three) and `-p 512 -n 0`, both with 2 threads. For `--batch-precisions` (int8)
-both also decode 8 sequences at once: ours 8 rows after 128-token prompts,
-llama.cpp's `llama-batched-bench -npp 128 -ntg 32 -npl 8` (its S_TG). First, in
+cache, three times, the mean of the three) and `-p 512 -n 0`, both with 2 threads.
+For `--batch-precisions` (int8) both also decode 8 sequences at once: ours 8 rows
+after 128-token prompts, llama.cpp's `llama-batched-bench -npp 128 -ntg 32 -npl 8` (its S_TG). First, in
 fresh processes, the peak memory of `from_pretrained(..., quantize="int8")` and
 `"int4"` against the float32 file's bytes. int4 is compared with the GGUF
 where every matrix is Q4_0 (`llama-quantize --pure`), as ours quantizes the
@@ -52,7 +52,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-from decode import RESULTS, bandwidth_probes, prepare_ours
+from decode import RESULTS, bandwidth_probes, interleaved, prepare_ours
 
 import eqx_models
 from eqx_models.generation import Sampling, _prefill
@@ -153,12 +153,8 @@ def decode_generations(prefill, step, probes: dict, new_tokens: int, generations
             step()
             times.append(time.perf_counter() - start)
         runs.append(np.array(times))
-        for name, probe in probes.items():
-            time.sleep(settle_s)
-            for _ in range(probe_calls):
-                start = time.perf_counter()
-                probe()
-                probe_times[name].append(time.perf_counter() - start)
+        for name, reads in interleaved(probes, rounds=1, calls_per_round=probe_calls, settle_s=settle_s).items():
+            probe_times[name].extend(reads)
     return runs, max((1 << 30) / min(times) for times in probe_times.values()) / 1e9
 
 
