@@ -3,6 +3,8 @@
 import collections
 import dataclasses
 import functools
+import math
+import numbers
 from collections.abc import Iterator, Sequence
 
 import equinox as eqx
@@ -42,12 +44,21 @@ class Sampling:
     top_p: float | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature}.")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k}.")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p}.")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) or not (
+            0 <= self.temperature < math.inf
+        ):
+            raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature!r}.")
+        if self.top_k is not None and (not _is_integer(self.top_k) or self.top_k < 1):
+            raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}.")
+        if self.top_p is not None and (
+            isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1
+        ):
+            raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}.")
+
+
+def _is_integer(value) -> bool:
+    """A Python or NumPy integer, not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def greedy_tokens(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:
@@ -63,7 +74,12 @@ def sample_tokens(
     logits = logits.astype(jnp.float32)
     if sampling.temperature == 0:
         return greedy_tokens(logits)
-    logits = logits / sampling.temperature
+    # Shifted so each row's largest logit is 0, which stays 0: a tiny temperature
+    # (one XLA flushes to zero included) then sends the others to -inf, a greedy
+    # pick, where dividing the raw logits gave +-inf and NaN probabilities. The
+    # softmax is the same either way.
+    shifted = logits - jnp.max(logits, axis=-1, keepdims=True)
+    logits = jnp.where(shifted == 0, 0.0, shifted / sampling.temperature)
     if sampling.top_k is not None and sampling.top_k < logits.shape[-1]:
         kth_largest = jax.lax.top_k(logits, sampling.top_k)[0][:, -1:]
         logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
@@ -165,7 +181,16 @@ def prepare_prompts(
                     ids[i, width - len(row):] = row
                     mask[i, width - len(row):] = 1
             input_ids, attention_mask = ids, mask
-    ids = np.asarray(input_ids, dtype=np.int32)
+    ids = np.asarray(input_ids)
+    if ids.size and ids.dtype.kind not in "iu":
+        raise ValueError(
+            f"input_ids must be integer token ids; got an array of {ids.dtype}. Tokenize the text first "
+            "(eqx_models.load_tokenizer(...).encode) or convert the ids with .astype(int)."
+        )
+    limits = np.iinfo(np.int32)
+    if ids.size and (ids.min() < limits.min or ids.max() > limits.max):
+        raise ValueError(f"input_ids holds values beyond int32 ({ids.min()}..{ids.max()}); token ids are far smaller.")
+    ids = ids.astype(np.int32)
     if ids.ndim == 1:
         ids = ids[None]
     if ids.ndim != 2:
@@ -217,13 +242,23 @@ def stream_generate(
         `[batch]` int32 numpy arrays, one per step; stops early once every row has
         produced an EOS token.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}.")
+    if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1 and an integer, got {max_new_tokens!r}.")
+    if not _is_integer(seed):
+        raise ValueError(f"seed must be an integer, got {seed!r}.")
     sampling = Sampling(temperature, top_k, top_p)
     cache_dtype = None if cache_dtype is None else resolve_cache_dtype(cache_dtype).name
     eos_ids = _eos_tuple(model, eos_token_id)
     pad = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     ids, mask = prepare_prompts(input_ids, attention_mask, pad_token_id=pad)
+    vocab = model.config.vocab_size
+    outside = ids[(mask == 1) & ((ids < 0) | (ids >= vocab))]
+    if outside.size:
+        raise ValueError(
+            f"input_ids holds token id {int(outside[0])}, outside the model's vocabulary of {vocab} "
+            f"(ids 0-{vocab - 1}); {outside.size} such id(s) in all. Was the prompt encoded with this "
+            "model's tokenizer?"
+        )
     longest = int(mask.sum(axis=1).max())
     limit = model.config.max_position_embeddings
     if longest + max_new_tokens > limit:

@@ -6,6 +6,8 @@ import itertools
 import json
 import math
 import os
+import shutil
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -524,14 +526,19 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     as `transformers` does; `transformers` and `from_pretrained` both load them.
     Only one shard is held on the host at a time. The tokenizer is not written.
     Every tensor that fills whole memory pages starts on a page boundary of its
-    file, so `from_pretrained` maps such files rather than reading them; each file
-    is written under a temporary name and renamed into place.
+    file, so `from_pretrained` maps such files rather than reading them.
+
+    Into a folder that already holds a checkpoint, the new files are written
+    beside the old ones (in a hidden staging folder, so the disk needs room for
+    both) and renamed into place only once all are complete; then the old shards
+    the new checkpoint does not use are removed. A write that fails (a full disk,
+    an interrupted process) leaves the old checkpoint as it was.
 
     Args:
         model: a `CausalLM` without LoRA adapters (merge them first with
             `eqx_models.lora.merge_lora`).
-        directory: the folder to write (created if needed; earlier weight files in
-            it are replaced).
+        directory: the folder to write (created if needed; an earlier checkpoint
+            in it is replaced once the new one is complete).
         max_shard_size: most bytes per safetensors file.
 
     Returns:
@@ -553,7 +560,6 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
     spec = spec_of(model)
     if spec is not None:  # read back by from_pretrained; transformers does not know this layout
         hf_config["quantization_config"] = spec.to_hf()
-    (directory / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
 
     shards: list[list[tuple[str, jax.Array, tuple[int, ...]]]] = [[]]
     shard_bytes = 0
@@ -565,24 +571,75 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
             shard_bytes = 0
         shards[-1].append(entry)
         shard_bytes += nbytes
-    for old in list(directory.glob("model*.safetensors")) + [directory / INDEX_FILE]:
-        old.unlink(missing_ok=True)
     file_names = (
         ["model.safetensors"]
         if len(shards) == 1
         else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     )
-    weight_map = {}
-    total = 0
-    for file_name, shard in zip(file_names, shards):
-        tensors = [
-            (name, np.ascontiguousarray(np.swapaxes(np.asarray(leaf[index]), -1, -2)) if transposed
-             else np.asarray(leaf[index]))
-            for name, leaf, index, transposed in shard
-        ]
-        write_safetensors(directory / file_name, tensors, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys((name for name, _ in tensors), file_name))
-        total += sum(a.nbytes for _, a in tensors)
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    # Everything is written into a folder beside the old checkpoint and moved into
+    # place only once complete: a failed write (a full disk) leaves the old one whole.
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=directory))
+    try:
+        weight_map = {}
+        total = 0
+        for file_name, shard in zip(file_names, shards):
+            tensors = [
+                (name, np.ascontiguousarray(np.swapaxes(np.asarray(leaf[index]), -1, -2)) if transposed
+                 else np.asarray(leaf[index]))
+                for name, leaf, index, transposed in shard
+            ]
+            write_safetensors(staging / file_name, tensors, metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys((name for name, _ in tensors), file_name))
+            total += sum(a.nbytes for _, a in tensors)
+        _write_json(staging / "config.json", hf_config)
+        if len(shards) > 1:
+            _write_json(staging / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _move_into_place(staging, directory, file_names)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+# The folder a save writes into before moving its files into place (hidden, so
+# nothing that lists the model folder's files sees it).
+STAGING_PREFIX = ".eqx_models-saving-"
+
+
+def _write_json(path: Path, content: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(content, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _move_into_place(staging: Path, directory: Path, weight_files: list[str]) -> None:
+    """Moves a complete checkpoint from `staging` into `directory` (renames within
+    one file system), then removes the old checkpoint's files it does not reuse.
+
+    The weights go first, then `config.json`, then the index (or the old index
+    goes), so the files a reader finds name only weights already in place; stale
+    shards go last."""
+    for name in [*weight_files, "config.json"]:
+        os.replace(staging / name, directory / name)
+    if (staging / INDEX_FILE).exists():
+        os.replace(staging / INDEX_FILE, directory / INDEX_FILE)
+    else:
+        (directory / INDEX_FILE).unlink(missing_ok=True)
+    for old in directory.glob("model*.safetensors"):
+        if old.name not in weight_files:
+            old.unlink()
+    _sync_folder(directory)
+
+
+def _sync_folder(directory: Path) -> None:
+    """Makes the renames in `directory` durable (where the platform can open a
+    folder to sync it)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)

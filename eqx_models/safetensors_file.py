@@ -206,8 +206,9 @@ def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]], metadat
 
     The header is padded with spaces to a page boundary and the page-sized tensors
     come first, the rest after them (the format allows any order and no gaps).
-    The file is written beside `path` and renamed over it at the end: a process
-    that mapped the old file keeps reading the old bytes.
+    The file is written beside `path` and renamed over it once complete and
+    synced: a process that mapped the old file keeps reading the old bytes, and a
+    failed write leaves the old file (and no partial one).
     """
     dtype_names = {np.dtype(v): k for k, v in SAFETENSORS_DTYPES.items()}
     ordered = sorted(tensors, key=lambda item: item[1].nbytes % mmap.PAGESIZE != 0)  # stable: keeps the order
@@ -225,10 +226,16 @@ def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]], metadat
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % mmap.PAGESIZE)
     partial = path.with_name(path.name + ".partial")
-    with open(partial, "wb") as f:
-        f.write(struct.pack("<Q", len(encoded)) + encoded)
-        for _, array in ordered:
-            f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+    try:
+        with open(partial, "wb") as f:
+            f.write(struct.pack("<Q", len(encoded)) + encoded)
+            for _, array in ordered:
+                f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the name points at it
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     os.replace(partial, path)
 
 

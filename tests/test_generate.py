@@ -1,5 +1,6 @@
 """Generation on the real stories260K model, sampling, the CLI and input errors."""
 
+import inspect
 import json
 import subprocess
 import sys
@@ -132,6 +133,56 @@ def test_prompt_plus_new_tokens_beyond_positions_is_refused(stories):
 def test_bad_generation_arguments(stories, kwargs, message):
     with pytest.raises(ValueError, match=message):
         eqx_models.generate(stories, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(input_ids=[1, 512]), r"token id 512, outside the model's vocabulary of 512 \(ids 0-511\)"),
+        (dict(input_ids=[[1, 2], [1, -3]]), r"token id -3, outside the model's vocabulary"),
+        (dict(input_ids=[1, 2**40]), "beyond int32"),
+        (dict(input_ids=[1.0, 2.5]), "input_ids must be integer token ids; got an array of float64"),
+        (dict(input_ids=[1, 2], max_new_tokens=True), "max_new_tokens must be at least 1 and an integer"),
+        (dict(input_ids=[1, 2], temperature=float("inf")), "temperature must be >= 0 and finite"),
+    ],
+)
+def test_generate_refuses_ids_and_counts_it_cannot_use(stories, kwargs, message):
+    """Ids outside the vocabulary were clamped by the embedding lookup and decoded as
+    if they were the last token; non-integer ids and counts were truncated."""
+    with pytest.raises(ValueError, match=message):
+        eqx_models.generate(stories, **{"max_new_tokens": 4, **kwargs})
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(max_new_tokens=2.5), "max_new_tokens must be at least 1 and an integer, got 2.5"),
+        (dict(seed=0.5), "seed must be an integer"),
+    ],
+)
+def test_generate_refuses_counts_that_are_not_integers_without_a_type_checker(stories, kwargs, message):
+    """What a user without runtime type checking gets (the test suite runs with
+    jaxtyping's checks on, which would refuse these first)."""
+    stream = inspect.unwrap(eqx_models.stream_generate)
+    with pytest.raises(ValueError, match=message):
+        list(stream(stories, [1, 2], **{"max_new_tokens": 4, **kwargs}))
+
+
+def test_padding_outside_the_vocabulary_is_not_an_error(stories):
+    """Only real tokens are checked: positions the mask leaves out may hold anything."""
+    padded = eqx_models.generate(stories, [[-1, 1, 403], [1, 500, 403]], attention_mask=[[0, 1, 1], [1, 1, 1]],
+                                 max_new_tokens=4)
+    assert padded[0].tolist() == eqx_models.generate(stories, [1, 403], max_new_tokens=4)[0].tolist()
+
+
+def test_a_tiny_temperature_samples_the_greedy_token(stories):
+    """From 1e-38 down (below float32's smallest normal number, flushed to zero)
+    the logits divided by the temperature were +-inf and NaN, and every draw the
+    same token; shifted first, the draw is the argmax."""
+    prompt = CASES[1]["prompt_ids"]
+    for temperature in (1e-45, 1e-40, 1e-38, 1e-37, 1e-6):
+        sampled = eqx_models.generate(stories, prompt, max_new_tokens=8, temperature=temperature, seed=3)
+        assert sampled[0].tolist() == eqx_models.generate(stories, prompt, max_new_tokens=8)[0].tolist()
 
 
 def test_the_cli_decodes_with_an_int8_kv_cache(capsys, stories, stories_tokenizer):
