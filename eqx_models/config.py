@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -488,11 +489,179 @@ def decoder_config_to_hf(config: DecoderConfig) -> dict[str, Any]:
     }
 
 
+# The fields `validate_hf_config` checks, by what each must hold. They are the
+# fields the families read from `config.json` (and that GGUF metadata becomes); a
+# field that is absent, or null, is left to the family's default.
+POSITIVE_INT_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
+    "sliding_window", "sliding_window_pattern", "_sliding_window_pattern", "moe_intermediate_size",
+    "num_local_experts", "n_routed_experts", "decoder_sparse_step", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "full_attention_interval",
+    "no_rope_layer_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+    "linear_num_key_heads", "linear_num_value_heads",
+)
+COUNT_FIELDS = (  # integers >= 0: 0 means none
+    "num_experts", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace",
+    "shared_expert_intermediate_size",
+)
+TOKEN_ID_FIELDS = ("bos_token_id", "pad_token_id")  # an integer (eos_token_id: one or a list)
+POSITIVE_NUMBER_FIELDS = (
+    "rms_norm_eps", "layer_norm_eps", "rope_theta", "rope_local_base_freq", "routed_scaling_factor",
+    "query_pre_attn_scalar", "final_logit_softcapping", "attn_logit_softcapping", "embedding_multiplier",
+    "residual_multiplier", "attention_multiplier", "logits_scaling", "logit_scale", "swiglu_limit", "swiglu_alpha",
+)
+BOOL_FIELDS = (
+    "tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_sliding_window", "use_qk_norm",
+    "rope_interleave", "use_bidirectional_attention",
+)
+STRING_FIELDS = ("model_type", "hidden_act", "hidden_activation")
+# Rope scaling types and the keys each needs (as transformers' rope validation).
+ROPE_REQUIRED_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor"),
+}
+
+
+def validate_hf_config(hf: Mapping[str, Any]) -> None:
+    """Checks the type and range of every common field of an HF config dict, before
+    any family reads it (and before anything is sized by it).
+
+    JSON has one spelling for each: sizes and counts are integers (`64`, not
+    `"64"` nor `64.0`), at least 1 (counts of optional parts at least 0); epsilons,
+    bases and scales are finite numbers above 0; switches are `true` / `false`
+    (a string `"false"` would read as true); a rope scaling carries the keys its
+    type needs; `num_attention_heads` is a multiple of `num_key_value_heads`.
+
+    Raises:
+        ConfigError: naming the first field that is wrong, its value and what is
+            allowed.
+    """
+    if not isinstance(hf, Mapping):
+        raise ConfigError(f"config.json holds a JSON {type(hf).__name__}; it must be an object of fields.")
+    present = lambda names: [(k, hf[k]) for k in names if hf.get(k) is not None]
+    for key, value in present(POSITIVE_INT_FIELDS):
+        _require(key, value, _is_int(value) and value >= 1, "an integer >= 1")
+    for key, value in present(COUNT_FIELDS):
+        _require(key, value, _is_int(value) and value >= 0, "an integer >= 0")
+    for key, value in present(TOKEN_ID_FIELDS):
+        _require(key, value, _is_int(value), "an integer token id")
+    for key, value in present(POSITIVE_NUMBER_FIELDS):
+        _require(key, value, _is_number(value) and value > 0, "a finite number > 0")
+    for key, value in present(BOOL_FIELDS):
+        _require(key, value, isinstance(value, bool), "true or false (a JSON boolean, not a string or number)")
+    for key, value in present(STRING_FIELDS):
+        _require(key, value, isinstance(value, str), "a string")
+    if hf.get("eos_token_id") is not None:
+        eos = hf["eos_token_id"]
+        _require("eos_token_id", eos, _is_int(eos) or (isinstance(eos, list) and all(map(_is_int, eos))),
+                 "an integer token id or a list of them")
+    if hf.get("partial_rotary_factor") is not None:
+        value = hf["partial_rotary_factor"]
+        _require("partial_rotary_factor", value, _is_number(value) and 0 < value <= 1, "a number in (0, 1]")
+    _validate_layer_lists(hf)
+    for key in ("rope_scaling", "rope_parameters"):
+        if hf.get(key) is not None:
+            _validate_rope(key, hf[key])
+    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        raise ConfigError(
+            f"config field num_key_value_heads is {kv_heads}, which does not divide num_attention_heads={heads}; "
+            "grouped-query attention needs every key/value head to serve the same number of query heads."
+        )
+
+
+def _validate_layer_lists(hf: Mapping[str, Any]) -> None:
+    """`layer_types` (one string per layer) and the lists of layer numbers."""
+    layers = hf.get("num_hidden_layers")
+    types = hf.get("layer_types")
+    if types is not None:
+        _require("layer_types", types, isinstance(types, list) and all(isinstance(t, str) for t in types),
+                 "a list of strings, one per layer")
+        if layers is not None and len(types) != layers:
+            raise ConfigError(
+                f"config field layer_types lists {len(types)} layers, but num_hidden_layers is {layers}; "
+                "it needs one entry per layer."
+            )
+    for key in ("mlp_only_layers", "no_rope_layers"):
+        value = hf.get(key)
+        if value is not None:
+            _require(key, value, isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value),
+                     "a list of integers >= 0")
+
+
+def _validate_rope(key: str, scaling: Any) -> None:
+    _require(key, scaling, isinstance(scaling, Mapping), "an object (or null)")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    _require(f"{key}.rope_type", rope_type, isinstance(rope_type, str), "a string")
+    missing = [k for k in ROPE_REQUIRED_KEYS.get(rope_type, ()) if scaling.get(k) is None]
+    if missing:
+        raise ConfigError(
+            f"config field {key} has rope type {rope_type!r} but no {', '.join(missing)}; that type needs "
+            f"{', '.join(ROPE_REQUIRED_KEYS[rope_type])}. Add them (see the model's published config.json)."
+        )
+    for name in ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor"):
+        if scaling.get(name) is not None:
+            _require(f"{key}.{name}", scaling[name], _is_number(scaling[name]) and scaling[name] > 0,
+                     "a finite number > 0")
+    if scaling.get("original_max_position_embeddings") is not None:
+        value = scaling["original_max_position_embeddings"]
+        _require(f"{key}.original_max_position_embeddings", value, _is_int(value) and value >= 1, "an integer >= 1")
+    for name in ("short_factor", "long_factor"):
+        if scaling.get(name) is not None:
+            value = scaling[name]
+            _require(f"{key}.{name}", value, isinstance(value, list) and all(_is_number(v) and v > 0 for v in value),
+                     "a list of finite numbers > 0")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require(key: str, value: Any, ok: bool, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"config field {key} is {value!r} ({type(value).__name__}); it must be {allowed}.")
+
+
+def check_layer_count(hf: Mapping[str, Any], tensor_count: int, source: str) -> None:
+    """Refuses a `num_hidden_layers` the checkpoint cannot hold, before anything
+    is built per layer: every layer has at least one tensor of its own, so a file
+    of `tensor_count` tensors holds at most that many layers.
+
+    Args:
+        hf: the HF config dict (already through `validate_hf_config`).
+        tensor_count: how many tensors the checkpoint holds.
+        source: the checkpoint, for the message.
+
+    Raises:
+        ConfigError: more layers than tensors.
+    """
+    layers = hf.get("num_hidden_layers")
+    if _is_int(layers) and layers > tensor_count:
+        raise ConfigError(
+            f"config field num_hidden_layers is {layers}, but {source} holds only {tensor_count} tensors, and "
+            "every layer has tensors of its own: the config does not describe this checkpoint. Fix "
+            "num_hidden_layers (or use the config.json that came with the weights)."
+        )
+
+
 def load_json(path) -> dict[str, Any]:
-    """Reads a JSON file, naming the file when it is malformed."""
+    """Reads a JSON file that holds an object, naming the file when it is malformed."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            content = json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); re-download or fix the file.") from e
+    if not isinstance(content, dict):
+        raise ConfigError(
+            f"{path} holds a JSON {type(content).__name__}, not an object of fields; re-download or fix the file."
+        )
+    return content
 

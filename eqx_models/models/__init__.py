@@ -12,7 +12,7 @@ import importlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ..config import ConfigError, DecoderConfig
+from ..config import ConfigError, DecoderConfig, validate_hf_config
 
 FAMILIES = (
     "llama",
@@ -118,7 +118,12 @@ def register(architecture: Architecture) -> None:
 
 
 def architecture_for(hf_config: Mapping[str, Any]) -> Architecture:
-    """The `Architecture` of an HF config, by `model_type` or else `architectures`."""
+    """The `Architecture` of an HF config, by `model_type` or else `architectures`.
+
+    Every config on its way to `config_from_hf` passes here, so the common
+    fields' types and ranges are checked here, once for all families
+    (`eqx_models.config.validate_hf_config`): a `ConfigError` names the field."""
+    validate_hf_config(hf_config)
     registry = _registry()
     model_type = hf_config.get("model_type")
     if model_type in registry:
