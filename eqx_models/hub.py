@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from .config import load_json
+from .config import check_layer_count, load_json
 from .gguf_file import find_gguf, load_gguf, split_parts
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
@@ -99,10 +99,11 @@ def _gguf_in(name_or_path: str | os.PathLike, gguf_file: str, revision: str | No
 
 
 def _checkpoint_files(folder: Path) -> list[Path]:
+    """The safetensors files of the checkpoint in `folder`: the shards its index
+    names, or else every `*.safetensors` file in it."""
     index = folder / INDEX_FILE
     if index.exists():
-        weight_map = load_json(index).get("weight_map", {})
-        files = sorted({folder / f for f in weight_map.values()})
+        files = sorted({_shard_path(folder, index, f) for f in _weight_map(index).values()})
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise CheckpointError(f"{index} lists shard files that are missing: {missing}. Re-download them.")
@@ -114,6 +115,34 @@ def _checkpoint_files(folder: Path) -> list[Path]:
             "convert .bin/.pt weights with transformers' save_pretrained(safe_serialization=True)."
         )
     return files
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The `weight_map` of a `model.safetensors.index.json`: tensor name -> shard file."""
+    weight_map = load_json(index).get("weight_map", {})
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(
+            f"{index} is malformed: it should be an object whose weight_map maps tensor names to shard file "
+            "names (strings). Re-download it, or delete it to load every *.safetensors file in the folder."
+        )
+    return weight_map
+
+
+def _shard_path(folder: Path, index: Path, name: str) -> Path:
+    """The shard file `name` of the index, refused unless it names a file inside
+    `folder`: an index is data, and must not make loading open files elsewhere.
+
+    The check is on the name (no root or drive, no `..`), not on where the file
+    resolves: a hub snapshot's files are links into the cache's blobs folder."""
+    relative = Path(name)
+    if not name or relative.anchor or ".." in relative.parts:
+        raise CheckpointError(
+            f"{index} names the shard file {name!r}, which is not a file inside the model folder {folder}; shard "
+            "files are plain names inside it (model-00001-of-00002.safetensors). Re-download the index."
+        )
+    return folder / relative
 
 
 def _to_jax(array: np.ndarray) -> jax.Array:
@@ -180,6 +209,23 @@ def _hf_names(
     return names, leaf_shape[:2]
 
 
+def _dtype_fits(found: np.dtype, parameter: np.dtype) -> bool:
+    """Whether a tensor of dtype `found` can fill a parameter of dtype `parameter`:
+    a float parameter takes any float (it is cast), an integer one (a quantized
+    weight's packed integers) only its own dtype. An integer tensor read into a
+    float parameter would be converted number by number, not reinterpreted: a
+    relabelled float tensor then loads as garbage of any size."""
+    if jnp.issubdtype(parameter, jnp.floating):
+        return bool(jnp.issubdtype(found, jnp.floating))
+    return np.dtype(found) == np.dtype(parameter)
+
+
+def _dtype_wanted(parameter: np.dtype) -> str:
+    if jnp.issubdtype(parameter, jnp.floating):
+        return f"a floating-point dtype (F32, F16, BF16 or F64) for a {np.dtype(parameter)} parameter"
+    return f"{np.dtype(parameter)}, the dtype of its parameter"
+
+
 def _transposed_in_checkpoint(name: str, tensor_shape: tuple[int, ...], fused_experts: bool) -> bool:
     """Whether the checkpoint holds this tensor `[experts, in, out]` where we hold
     `[experts, out, in]`: the expert weights of an architecture with `fused_experts`."""
@@ -242,9 +288,13 @@ def from_pretrained(
     Raises:
         FileNotFoundError: no such folder, or a hub id that cannot be resolved
             (offline and not cached, no network, no such repo).
-        ConfigError: a `model_type` or config keys this library does not implement.
-        CheckpointError: missing, unexpected or wrongly shaped tensors (all of them
-            reported, by their HF names), or unreadable safetensors files.
+        ConfigError: a `model_type` or config keys this library does not implement,
+            a config field of the wrong type or out of range, or more layers than
+            the checkpoint has tensors.
+        CheckpointError: missing, unexpected, wrongly shaped or wrongly typed
+            tensors (all of them reported, by their HF names), malformed or
+            unreadable safetensors files, or an index naming shards outside the
+            folder.
 
     Tensors are read one at a time straight into the final stacked buffers, which
     the CPU backend adopts without a copy, so peak memory stays near the model's size.
@@ -263,6 +313,7 @@ def from_pretrained(
     if not config_path.exists():
         raise FileNotFoundError(f"{folder} has no config.json; it is not a Hugging Face model folder.")
     hf_config = load_json(config_path)
+    arch = architecture_for(hf_config)  # checks the common fields' types and ranges first
     saved = hf_config.pop("quantization_config", None)
     saved_spec = None if saved is None else spec_from_hf(saved, str(config_path))
     spec = None if quantize is None else spec_for(quantize)
@@ -270,11 +321,11 @@ def from_pretrained(
         if (spec.bits, spec.group_size, spec.mode) != (saved_spec.bits, saved_spec.group_size, saved_spec.mode):
             raise ValueError(f"{folder} is already quantized ({saved_spec}); drop quantize= to load it as it is.")
         spec = None  # loaded as saved
-    arch = architecture_for(hf_config)
+    source = TensorSource(_checkpoint_files(folder))
+    check_layer_count(hf_config, len(source.location), f"the checkpoint in {folder}")
     config = arch.config_from_hf(hf_config)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     placement = None if mesh is None else placement_for(config, mesh, sharding)
-    source = TensorSource(_checkpoint_files(folder))
     target_dtype = None if dtype is None else jnp.dtype(dtype)
     if saved_spec is not None:  # the skeleton of the saved quantized model
         skeleton = _quantized_skeleton(skeleton, saved_spec, target_dtype or jnp.dtype(hf_config.get("torch_dtype",
@@ -309,6 +360,8 @@ def from_pretrained(
                 problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
             elif source.shape(name) != tuple(expected):
                 problems.append(f"tensor {name} has shape {source.shape(name)}, expected {tuple(expected)}")
+            elif not _dtype_fits(source.dtype(name), leaf.dtype):
+                problems.append(f"tensor {name} has dtype {source.dtype(name)}, expected {_dtype_wanted(leaf.dtype)}")
         consumed.update(names)
         # Scales and integers keep their dtype; floats take `dtype`.
         leaf_dtype = None if _leaf_names(path).endswith(tuple(QUANTIZED_LEAVES)) else target_dtype

@@ -45,8 +45,15 @@ class SafetensorsFile:
     where they can be mapped.
 
     Reading with positional reads (no memory map) keeps file pages out of this
-    process's resident memory, and every offset is checked against the file size up
-    front, so a truncated download is reported before anything is loaded.
+    process's resident memory. The header is checked up front, O(tensors) and
+    without reading any tensor data: every entry's form, and that the data ranges
+    tile the data section exactly (no overlap, no gap, nothing past the end), so a
+    truncated or tampered file is reported, naming the tensor, before anything is
+    loaded.
+
+    Raises:
+        CheckpointError: an unreadable or malformed header, or data ranges that
+            do not tile the file.
     """
 
     def __init__(self, path: Path):
@@ -57,28 +64,32 @@ class SafetensorsFile:
             (header_length,) = struct.unpack("<Q", self.handle.read(8))
             if header_length > size - 8:
                 raise ValueError(f"the header claims {header_length} bytes but the file has {size}")
-            header = json.loads(self.handle.read(header_length))
+            header = json.loads(self.handle.read(header_length), object_pairs_hook=_unique_keys)
         except (struct.error, ValueError, UnicodeDecodeError) as e:
             raise CheckpointError(
                 f"{path} is not a readable safetensors file ({e}); it may be truncated or corrupt. "
                 "Delete it and download it again."
             ) from e
+        if not isinstance(header, dict):
+            raise CheckpointError(
+                f"{path}: the header is a JSON {type(header).__name__}, not an object of tensor entries; "
+                "the file is corrupt. Delete it and download it again."
+            )
         header.pop("__metadata__", None)
         self.data_start = 8 + header_length
         self.entries: dict[str, tuple[np.dtype, tuple[int, ...], int]] = {}
+        ranges = []
         for name, info in header.items():
-            if info["dtype"] not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"{path}: tensor {name} has dtype {info['dtype']}, which is not supported.")
-            dtype = np.dtype(SAFETENSORS_DTYPES[info["dtype"]])
-            shape = tuple(info["shape"])
-            begin, end = info["data_offsets"]
-            if end - begin != math.prod(shape) * dtype.itemsize or self.data_start + end > size:
+            dtype, shape, (begin, end) = _entry(path, name, info)
+            if end - begin != math.prod(shape) * dtype.itemsize:
                 raise CheckpointError(
-                    f"{path} is truncated or corrupt: tensor {name} should occupy bytes "
-                    f"{self.data_start + begin}-{self.data_start + end} but the file has {size}. "
-                    "Delete it and download it again."
+                    f"{path}: tensor {name} has dtype {info['dtype']} and shape {list(shape)}, which take "
+                    f"{math.prod(shape) * dtype.itemsize} bytes, but its data_offsets {[begin, end]} span "
+                    f"{end - begin}. The file is corrupt (or its header was edited): download it again."
                 )
             self.entries[name] = (dtype, shape, begin)
+            ranges.append((begin, end, name))
+        _check_layout(path, ranges, size - self.data_start)
 
     def read_into(self, name: str, out: np.ndarray, rows: range | None = None) -> None:
         """Fills `out` (C-contiguous, any dtype) with tensor `name`, or with its
@@ -106,6 +117,80 @@ class SafetensorsFile:
         return self.data_start + begin, math.prod(shape) * dtype.itemsize
 
 
+def _entry(path: Path, name: str, info) -> tuple[np.dtype, tuple[int, ...], tuple[int, int]]:
+    """The dtype, shape and data offsets of one header entry, each checked for its
+    form (an object with a known `dtype`, a list of non-negative integer
+    dimensions, and two non-negative integer offsets, the second not before the first)."""
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise CheckpointError(
+            f"{where} has the header entry {info!r}; an entry is an object with dtype, shape and "
+            "data_offsets. The file is corrupt: download it again."
+        )
+    if not isinstance(info["dtype"], str) or info["dtype"] not in SAFETENSORS_DTYPES:
+        raise CheckpointError(
+            f"{where} has dtype {info['dtype']!r}, which is not supported; expected one of "
+            f"{sorted(SAFETENSORS_DTYPES)}."
+        )
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise CheckpointError(f"{where} has shape {shape!r}; a shape is a list of non-negative integers.")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)
+            and offsets[0] <= offsets[1]):
+        raise CheckpointError(
+            f"{where} has data_offsets {offsets!r}; they are two non-negative integers [begin, end] "
+            "with end >= begin. The file is corrupt: download it again."
+        )
+    return np.dtype(SAFETENSORS_DTYPES[info["dtype"]]), tuple(shape), (offsets[0], offsets[1])
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object, refusing a key it holds twice (a tensor listed twice: which
+    entry is meant is unknowable)."""
+    seen = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"the header names {key!r} twice")
+        seen[key] = value
+    return seen
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_layout(path: Path, ranges: list[tuple[int, int, str]], data_size: int) -> None:
+    """Refuses data ranges that do not tile the data section: as the format (and the
+    `safetensors` library) requires, the tensors lie back to back from its first
+    byte to the end of the file, so none reaches outside it and no two share bytes."""
+    ranges = sorted(ranges)
+    for begin, end, name in ranges:
+        if end > data_size:
+            raise CheckpointError(
+                f"{path} is truncated or corrupt: tensor {name} should occupy data bytes {begin}-{end} but the "
+                f"file holds {data_size} bytes of data. Delete it and download it again."
+            )
+    for (_, previous_end, previous), (begin, _, name) in zip(ranges, ranges[1:]):
+        if begin < previous_end:
+            raise CheckpointError(
+                f"{path}: tensor {name} starts at data byte {begin}, inside tensor {previous} (which ends at byte "
+                f"{previous_end}): it overlaps the tensor before it. The file is corrupt: download it again."
+            )
+    position = 0
+    for begin, end, name in ranges:
+        if begin != position:
+            raise CheckpointError(
+                f"{path}: tensor {name} starts at data byte {begin}, but the tensors before it end at byte "
+                f"{position}: a gap, where tensors lie back to back. The file is corrupt: download it again."
+            )
+        position = end
+    if position != data_size:
+        raise CheckpointError(
+            f"{path}: its tensors end at data byte {position} but the file holds {data_size} bytes of data; "
+            "the file is corrupt (or was appended to). Download it again."
+        )
+
+
 class TensorSource:
     """Where each tensor of a (possibly sharded) checkpoint lives."""
 
@@ -114,6 +199,11 @@ class TensorSource:
         for path in files:
             file = SafetensorsFile(path)
             for name in file.entries:
+                if name in self.location:
+                    raise CheckpointError(
+                        f"tensor {name} is in both {self.location[name].path} and {path}; a checkpoint holds "
+                        "each tensor once. Remove the stale file (or download the checkpoint again)."
+                    )
                 self.location[name] = file
 
     def shape(self, name: str) -> tuple[int, ...]:
