@@ -14,6 +14,7 @@ architecture's converter interleaves the rotary halves of the query and key rows
 with Hugging Face's split-half rotation.
 """
 
+import math
 import mmap
 import os
 import re
@@ -26,7 +27,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from .config import ConfigError
+from .config import ConfigError, check_layer_count
 from .nn.rope import inverse_frequencies
 from .safetensors_file import CheckpointError, aligned_empty
 
@@ -105,6 +106,14 @@ class GGUFTensor(NamedTuple):
 SCALAR_TYPES = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 STRING, ARRAY = 8, 9
 GGUF_MAGIC = b"GGUF"
+# The fewest bytes a string, a key-value pair (key length, value type, a one-byte
+# value) and a tensor's entry (name length, dimension count, one dimension, type,
+# offset) take: what a count in the header is checked against.
+STRING_LENGTH_BYTES = 8
+LEAST_KV_BYTES = 8 + 4 + 1
+LEAST_TENSOR_INFO_BYTES = 8 + 4 + 8 + 4 + 8
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+INTEGER_TYPES = ("I8", "I16", "I32", "I64")
 
 
 class _Header:
@@ -129,20 +138,65 @@ class _Header:
     def string(self) -> str:
         return str(self.take(self.scalar(10)), "utf-8", errors="replace")
 
-    def value(self, kind: int):
+    def value(self, kind: int, key: str):
         if kind == STRING:
             return self.string()
         if kind == ARRAY:
             inner, count = self.scalar(4), self.scalar(10)
+            if inner != STRING and inner not in SCALAR_TYPES:
+                raise ValueError(f"{key} is an array of unknown element type {inner}")
+            self.fits(count, STRING_LENGTH_BYTES if inner == STRING else struct.calcsize(SCALAR_TYPES[inner]), key)
             if inner == STRING:
                 return [self.string() for _ in range(count)]
-            if inner not in SCALAR_TYPES:
-                raise ValueError(f"unknown array element type {inner}")
             form = f"<{count}{SCALAR_TYPES[inner]}"
             return list(struct.unpack(form, self.take(struct.calcsize(form))))
         if kind not in SCALAR_TYPES:
-            raise ValueError(f"unknown metadata value type {kind}")
+            raise ValueError(f"{key} has unknown metadata value type {kind}")
         return self.scalar(kind)
+
+    def fits(self, count: int, least_bytes: int, what: str) -> None:
+        """Refuses a count of items of at least `least_bytes` each that the rest of
+        the file cannot hold, before anything is built for them."""
+        left = len(self.buffer) - self.offset
+        if count * least_bytes > left:
+            raise ValueError(
+                f"{what} claims {count:,} entries of at least {least_bytes} bytes each, but only {left:,} bytes "
+                "of the file are left"
+            )
+
+
+def _tensor_info(header: _Header, gguf) -> tuple[str, list[int], Any, int]:
+    """One tensor's entry of the header: its name, dimensions (innermost first),
+    GGML type and data offset, checked for form."""
+    name = header.string()
+    n_dims = header.scalar(4)
+    if not 1 <= n_dims <= MAX_DIMS:
+        raise ValueError(f"tensor {name} has {n_dims:,} dimensions; GGUF tensors have 1 to {MAX_DIMS}")
+    dims = [header.scalar(10) for _ in range(n_dims)]
+    type_number = header.scalar(4)
+    try:
+        kind = gguf.GGMLQuantizationType(type_number)
+    except ValueError:
+        raise ValueError(f"tensor {name} has type number {type_number}, which is no GGML type") from None
+    if kind not in gguf.GGML_QUANT_SIZES:
+        raise ValueError(f"tensor {name} has type {kind.name}, whose block size the gguf package does not know")
+    return name, dims, kind, header.scalar(10)
+
+
+def _check_offset(name: str, offset: int, expected: int, previous: str | None, alignment: int) -> None:
+    """Refuses a tensor that does not start where the tensor before it (`previous`)
+    ends: as llama.cpp requires, tensors lie in the order of the header, each
+    padded to the file's alignment, so none overlaps or repeats another's bytes."""
+    if offset % alignment:
+        raise ValueError(f"tensor {name} starts at data offset {offset:,}, not a multiple of the file's "
+                         f"alignment of {alignment}")
+    if offset != expected:
+        before = "the data section starts" if previous is None else f"tensor {previous} before it ends"
+        what = "they overlap" if offset < expected else f"a gap after tensor {previous}"
+        raise ValueError(
+            f"tensor {name} starts at data offset {offset:,}, but {before} at {expected:,} (padded to the "
+            f"alignment): {what}; one of their types or offsets was changed"
+        )
 
 
 # llama.cpp's split files (`llama-gguf-split`, `convert_hf_to_gguf.py --split-max-*`): the
@@ -169,8 +223,12 @@ class GGUFFile:
 
     Raises:
         CheckpointError: not a GGUF file, a big-endian one, or one that is
-            truncated or corrupt; a split file's later part, or one whose parts
-            are missing or disagree.
+            truncated or corrupt; counts the file cannot hold (checked before
+            anything is built for them), a key or tensor listed twice, a tensor
+            whose rows are not whole blocks of its type, or one that does not
+            start where the tensors before it end (padded to the alignment, as
+            llama.cpp requires: so no overlap, gap or misalignment); a split
+            file's later part, or one whose parts are missing or disagree.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -241,34 +299,52 @@ class GGUFFile:
         if version not in (2, 3):
             raise ValueError(f"GGUF version {version} (big-endian, or unknown); versions 2 and 3 are read")
         tensor_count, kv_count = header.scalar(10), header.scalar(10)
+        header.fits(kv_count, LEAST_KV_BYTES, "the metadata count")
         metadata = {}
         for _ in range(kv_count):
             key = header.string()
-            metadata[key] = header.value(header.scalar(4))
-        infos = []
+            if key in metadata:
+                raise ValueError(f"the metadata key {key} appears twice")
+            metadata[key] = header.value(header.scalar(4), key)
+        header.fits(tensor_count, LEAST_TENSOR_INFO_BYTES, "the tensor count")
+        infos = {}
         for _ in range(tensor_count):
-            name = header.string()
-            dims = [header.scalar(10) for _ in range(header.scalar(4))]
-            infos.append((name, dims, gguf.GGMLQuantizationType(header.scalar(4)), header.scalar(10)))
+            name, dims, kind, offset = _tensor_info(header, gguf)
+            if name in infos:
+                raise ValueError(f"tensor {name} is listed twice")
+            infos[name] = (dims, kind, offset)
         alignment = metadata.get("general.alignment", 32)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"general.alignment {alignment!r} is not a power of two")
         start = -(-header.offset // alignment) * alignment
         tensors = {}
-        for name, dims, kind, offset in infos:
+        position, previous = 0, None  # where the next tensor starts: each follows the one before, padded
+        for name, (dims, kind, offset) in infos.items():
             block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
             shape = tuple(int(d) for d in reversed(dims))
-            count = int(np.prod(shape))
+            if shape[-1] % block:
+                raise ValueError(
+                    f"tensor {name} of type {kind.name} has rows of {shape[-1]} elements, not a multiple of the "
+                    f"type's block of {block} (its type was changed, or the file is corrupt)"
+                )
+            count = math.prod(shape)
             nbytes = count // block * block_bytes
+            _check_offset(name, offset, position, previous, alignment)
             begin = start + offset
             if begin + nbytes > len(mapped):
                 raise ValueError(f"tensor {name} ({nbytes:,} bytes at {begin:,}) runs past the end of the file")
+            position, previous = offset + -(-nbytes // alignment) * alignment, name
             raw = mapped[begin : begin + nbytes]
             if kind.name in ("F32", "F16"):
                 data = raw.view(np.float32 if kind.name == "F32" else np.float16).reshape(shape)
             else:
                 data = raw.reshape(*shape[:-1], shape[-1] // block * block_bytes)
             tensors[name] = GGUFTensor(name, kind, shape, count, data)
+        if len(mapped) > start + position:
+            raise ValueError(
+                f"{len(mapped) - start - position:,} bytes follow the last tensor's data (a tensor's type or "
+                "size was changed, or something was appended)"
+            )
         return metadata, tensors
 
     def release(self, names: list[str]) -> None:
@@ -312,6 +388,11 @@ class GGUFFile:
             return tensor.data.reshape(self.shape(name))
         if kind == types.BF16:
             return tensor.data.view(np.uint16).view(ml_dtypes.bfloat16).reshape(self.shape(name))
+        if kind.name in INTEGER_TYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {name} is of integer type {kind.name}; a model's weights are float or "
+                "quantized types (F32, F16, BF16, Q8_0, ...). The file is corrupt or its types were changed."
+            )
         try:
             return gguf.quants.dequantize(tensor.data, kind).reshape(self.shape(name))
         except NotImplementedError as e:
@@ -350,13 +431,8 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
             "Hugging Face checkpoint instead (from_pretrained(repo or folder)), which covers more families."
         )
 
-    def need(key, default=None):
-        value = file.arch_value(key, default)
-        if value is None:
-            raise ConfigError(f"{file.path} has no {arch}.{key} in its metadata; the file is incomplete.")
-        if isinstance(value, list):
-            raise ConfigError(f"{file.path}: {arch}.{key} varies by layer ({value[:4]}...), which is not supported.")
-        return value
+    def need(key, default=None, integer=True):
+        return _metadata_number(file, key, default, integer=integer)
 
     hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
     head_dim = int(need("attention.key_length", hidden // heads))
@@ -376,8 +452,8 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
         num_key_value_heads=int(need("attention.head_count_kv", heads)),
         head_dim=head_dim,
         max_position_embeddings=int(need("context_length")),
-        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(file.arch_value("rope.freq_base", 10000.0)),
+        rms_norm_eps=float(need("attention.layer_norm_rms_epsilon", integer=False)),
+        rope_theta=float(need("rope.freq_base", 10000.0, integer=False)),
         rope_scaling=_rope_scaling(file, head_dim),
         tie_word_embeddings="output.weight" not in file.tensors,
         bos_token_id=file.value("tokenizer.ggml.bos_token_id"),
@@ -394,15 +470,39 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
             # llama.cpp renormalises the top-k weights of every qwen3moe model.
             norm_topk_prob=True,
         )
-        hf["intermediate_size"] = int(file.arch_value("feed_forward_length", hf["moe_intermediate_size"]))
+        hf["intermediate_size"] = int(need("feed_forward_length", hf["moe_intermediate_size"]))
     else:
         hf["intermediate_size"] = int(need("feed_forward_length"))
     return hf
 
 
+def _metadata_number(file: GGUFFile, key: str, default: Any = None, *, integer: bool = True,
+                     required: bool = True) -> int | float | None:
+    """The value of `<architecture>.<key>`, refused unless it is one integer >= 1
+    (or with `integer=False` one finite number > 0); None where it is absent and
+    not `required`.
+
+    Raises:
+        ConfigError: naming the key, its value and what it must be.
+    """
+    name = f"{file.architecture}.{key}"
+    value = file.arch_value(key, default)
+    if value is None:
+        if not required:
+            return None
+        raise ConfigError(f"{file.path} has no {name} in its metadata; the file is incomplete.")
+    if isinstance(value, list):
+        raise ConfigError(f"{file.path}: {name} varies by layer ({value[:4]}...), which is not supported.")
+    kinds = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value <= 0:
+        allowed = "an integer >= 1" if integer else "a finite number > 0"
+        raise ConfigError(f"{file.path}: {name} is {value!r}; it must be {allowed}. The file is corrupt or was edited.")
+    return value
+
+
 def _rope_scaling(file: GGUFFile, head_dim: int) -> dict | None:
     kind = file.arch_value("rope.scaling.type", "none")
-    factor = file.arch_value("rope.scaling.factor")
+    factor = _metadata_number(file, "rope.scaling.factor", integer=False, required=kind == "yarn")
     if "rope_freqs.weight" in file.tensors:
         return _llama3_scaling(file, head_dim)
     if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
@@ -410,7 +510,7 @@ def _rope_scaling(file: GGUFFile, head_dim: int) -> dict | None:
     if kind == "linear":
         return dict(rope_type="linear", factor=float(factor))
     if kind == "yarn":
-        original = file.arch_value("rope.scaling.original_context_length")
+        original = _metadata_number(file, "rope.scaling.original_context_length", required=False)
         if original is None:
             raise ConfigError(f"{file.path}: yarn rope scaling without rope.scaling.original_context_length.")
         return dict(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original))
@@ -420,11 +520,12 @@ def _rope_scaling(file: GGUFFile, head_dim: int) -> dict | None:
 def _llama3_scaling(file: GGUFFile, head_dim: int) -> dict:
     """Llama 3's rope scaling from the per-frequency divisors the file holds."""
     divisors = file.float_array("rope_freqs.weight").astype(np.float32)
-    theta = float(file.arch_value("rope.freq_base", 10000.0))
+    theta = float(_metadata_number(file, "rope.freq_base", 10000.0, integer=False))
     plain = inverse_frequencies(head_dim, theta, None)
     candidates = [LLAMA3_ROPE["original_max_position_embeddings"]]
-    if file.arch_value("rope.scaling.original_context_length"):
-        candidates.insert(0, int(file.arch_value("rope.scaling.original_context_length")))
+    original = _metadata_number(file, "rope.scaling.original_context_length", required=False)
+    if original is not None:
+        candidates.insert(0, int(original))
     for original in candidates:
         scaling = dict(LLAMA3_ROPE, rope_type="llama3", factor=float(divisors.max()),
                        original_max_position_embeddings=int(original))
@@ -571,7 +672,9 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     from .sharding import shard_model
 
     file = GGUFFile(path)
-    config = architecture_for(hf := hf_config(file)).config_from_hf(hf)
+    arch = architecture_for(hf := hf_config(file))  # checks the fields' types and ranges
+    check_layer_count(hf, len(file.tensors), str(file.path))
+    config = arch.config_from_hf(hf)
     dtype = default_dtype(file) if dtype is None else np.dtype(dtype)
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     packable = {(*path, jax.tree_util.GetAttrKey("weight")): axes for path, _, axes in quantizable_layers(skeleton)}
@@ -584,7 +687,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
         for (_, leaf), array in zip(leaves, arrays)
     ])
     # Q8_0 weights go into the CPU kernel's tiles as they load (see `quantization.with_layout`).
-    tiles = mesh is None and tiles_pay()
+    tiles = mesh is None and bool(packed) and tiles_pay()  # asked only of packed weights: it builds their kernels
     for leaf_path, (bits, integers, scales, biases) in packed.items():
         layout = "tiles" if tiles and tiles_fit(bits, "int8", integers.shape) else "rows"
         if layout == "tiles":

@@ -338,7 +338,8 @@ def from_pretrained(
     # int8 weights go into the CPU kernel's tiles as they load (see
     # `quantization.with_layout`): `tiled` holds the paths of those weights.
     final_skeleton = quantized_skeleton if quantized_skeleton is not None else skeleton
-    tiled = _tiled_weight_paths(final_skeleton) if placement is None and tiles_pay() else set()
+    tiled = _tiled_weight_paths(final_skeleton) if placement is None else set()
+    tiled = tiled if tiled and tiles_pay() else set()  # asked only of quantized models: it builds their kernels
     if tiled:
         final_skeleton = eqx.filter_eval_shape(lambda m: with_layout(m, "tiles"), final_skeleton)
 

@@ -34,6 +34,38 @@ def test_kernels_build_here():
     assert kernels_status() == "ready"
 
 
+FIRST_GENERATE = """
+import sys, jax, eqx_models
+if sys.argv[2] == "tpu":  # what a process on a TPU machine sees
+    jax.default_backend = lambda: "tpu"
+model = eqx_models.from_pretrained(sys.argv[1])
+print(eqx_models.generate(model, [1, 403, 407], max_new_tokens=4)[0].tolist())
+"""
+
+
+@pytest.mark.parametrize("backend", ["cpu", "tpu"])
+def test_a_first_generate_compiles_only_the_kernels_it_runs(backend, tmp_path):
+    """A float32 model's first generate on a fresh machine builds the products, the
+    cache write, the greedy pick and float32 attention, saying so on stderr; the
+    int8, bfloat16, DeltaNet and MLA kernels wait for a model that needs them (all
+    of them were one library, about 100 s of compiling on 2 cores). On a backend
+    other than the CPU nothing is compiled."""
+    from conftest import STORIES, require_fixture
+
+    env = dict(os.environ, EQX_MODELS_CACHE=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", FIRST_GENERATE, str(require_fixture(STORIES)), backend], env=env,
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-3000:]
+    built = sorted(path.name.split("-")[0] for path in (tmp_path / "kernels").glob("*.so"))
+    if backend == "tpu":
+        assert built == [] and "compiling" not in run.stderr
+        return
+    names = ["attention_float32", "cache_write", "greedy", "matvec"]
+    assert built == [f"libeqx_models_{name}" for name in names]
+    assert "eqx_models: compiling the CPU kernels" in run.stderr
+    assert all(name in run.stderr for name in names)
+
+
 # Activations that are bfloat16 values (a bfloat16 model's) take the CPU's bfloat16
 # dot-product instruction where it has one; any other float32 takes the widening path.
 @pytest.mark.parametrize("dtype, activations", [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32),

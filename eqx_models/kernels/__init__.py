@@ -29,23 +29,31 @@ step otherwise moves each layer's weights and cache slice two or three times.
   a layer's KV pages, 16-bit floats copied as raw bytes (XLA:CPU would copy or
   widen the whole array).
 
-The C++ source ships with the package and is compiled once per source, jaxlib and
-compiler into `$EQX_MODELS_CACHE` (default `~/.cache/eqx_models`). Without a C++
-compiler, or with `EQX_MODELS_KERNELS=0`, everything falls back to plain XLA (same
-numbers to rounding, slower decode); `kernels_status()` says which path is active.
-On other backends the XLA path is always used. The kernels split their work over
-one thread per core the process may use (`EQX_MODELS_KERNEL_THREADS` overrides).
+The C++ source ships with the package. Each group of kernels (`UNITS`: the
+products, decode attention for one cache dtype, the cache writes, ...) is its own
+library, compiled the first time a model on the CPU backend needs it (once per
+source, jaxlib and compiler, into `$EQX_MODELS_CACHE`, default
+`~/.cache/eqx_models`), the units a decode step needs in parallel, with a line on
+stderr while they compile. Without a C++ compiler, or with `EQX_MODELS_KERNELS=0`,
+everything falls back to plain XLA (same numbers to rounding, slower decode);
+`kernels_status()` says which path is active. On other backends nothing is
+compiled and the XLA path is used. The kernels split their work over one thread
+per core the process may use (`EQX_MODELS_KERNEL_THREADS` overrides).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import threading
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,14 +66,6 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 from ..quantization import dequantize, quantize_activations, tile_scales_to_rows, tiles_to_rows
 from ..sharding import spans_devices
 
-SOURCES = tuple(
-    Path(__file__).with_name(name)
-    for name in (
-        "matvec.cc", "attention.cc", "cache_write.cc", "delta_rule.cc", "headwise.cc", "quantized.cc", "gather.cc",
-        "greedy.cc"
-    )
-)
-HEADERS = tuple(Path(__file__).with_name(name) for name in ("amx.h", "bfloat16.h", "parallel_for.h", "prefetch.h"))
 MATVEC_TARGET = "eqx_models_stacked_matvec"
 ATTENTION_TARGET = "eqx_models_decode_attention"
 WRITE_TARGET = "eqx_models_write_slots"
@@ -79,6 +79,46 @@ GREEDY_TARGET = "eqx_models_greedy_rows"
 COMPILE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-pthread", "-fno-math-errno")
 
 
+@dataclasses.dataclass(frozen=True)
+class Unit:
+    """One library of kernels: a source file, the preprocessor names it is built
+    with, and the FFI targets it registers as `(target, exported handler)` pairs."""
+
+    source: str
+    targets: tuple[tuple[str, str], ...]
+    defines: tuple[str, ...] = ()
+
+
+# The cache dtypes decode attention is built for, each its own library (with the
+# paged form): one model reads one of them.
+ATTENTION_DTYPES = {"float32": "F32", "bfloat16": "BF16", "int8": "S8"}
+
+# Each unit is built the first time a model on the CPU backend needs one of its
+# kernels, so a float32 model never waits for the int8 or Gated DeltaNet kernels.
+UNITS = {
+    "matvec": Unit("matvec.cc", ((MATVEC_TARGET, "EqxStackedMatvec"),)),
+    **{
+        f"attention_{dtype}": Unit(
+            "attention.cc",
+            ((f"{ATTENTION_TARGET}_{dtype}", "EqxDecodeAttention"),
+             (f"{PAGED_ATTENTION_TARGET}_{dtype}", "EqxPagedDecodeAttention")),
+            (f"-DEQX_MODELS_CACHE_{code}",),
+        )
+        for dtype, code in ATTENTION_DTYPES.items()
+    },
+    "cache_write": Unit("cache_write.cc", ((WRITE_TARGET, "EqxWriteSlots"), (WRITE_PAGES_TARGET, "EqxWritePages"))),
+    "greedy": Unit("greedy.cc", ((GREEDY_TARGET, "EqxGreedyRows"),)),
+    "gather": Unit("gather.cc", ((TAKE_ROWS_TARGET, "EqxTakeRows"),)),
+    "quantized": Unit("quantized.cc", ((QUANTIZED_TARGET, "EqxQuantizedMatvec"),)),
+    "delta_rule": Unit("delta_rule.cc", ((DELTA_RULE_TARGET, "EqxDeltaRuleStep"),)),
+    "headwise": Unit("headwise.cc", ((HEADWISE_TARGET, "EqxHeadwiseMatvec"),)),
+}
+# Started beside the first unit a process asks for: what every decode step runs.
+DECODE_UNITS = ("matvec", "cache_write", "greedy")
+SOURCES = tuple(sorted({Path(__file__).with_name(unit.source) for unit in UNITS.values()}))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("amx.h", "bfloat16.h", "parallel_for.h", "prefetch.h"))
+
+
 def _cache_dir() -> Path:
     root = os.environ.get("EQX_MODELS_CACHE") or Path.home() / ".cache" / "eqx_models"
     return Path(root) / "kernels"
@@ -88,76 +128,125 @@ def _compiler() -> str | None:
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
 
 
-def _build(compiler: str) -> Path:
-    """Compiles the kernel library unless a build for this source and jaxlib exists."""
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    stamp = hashlib.sha256(
-        source + jax.__version__.encode() + compiler.encode() + " ".join(COMPILE_FLAGS).encode()
-    ).hexdigest()[:16]
-    library = _cache_dir() / f"libeqx_models_kernels-{stamp}.so"
+def _library_path(name: str, compiler: str) -> Path:
+    """Where unit `name`'s library lives: named by its source, the headers, the
+    flags, jaxlib and the compiler, so a change to any of them builds it anew."""
+    unit = UNITS[name]
+    source = Path(__file__).with_name(unit.source).read_bytes() + b"".join(path.read_bytes() for path in HEADERS)
+    recipe = " ".join((jax.__version__, compiler, *COMPILE_FLAGS, *unit.defines)).encode()
+    stamp = hashlib.sha256(source + recipe).hexdigest()[:16]
+    return _cache_dir() / f"libeqx_models_{name}-{stamp}.so"
+
+
+def _build(name: str, compiler: str) -> Path:
+    """Compiles unit `name` unless its library exists."""
+    library = _library_path(name, compiler)
     if library.exists():
         return library
     library.parent.mkdir(parents=True, exist_ok=True)
+    unit = UNITS[name]
     # Build next to the destination and rename: concurrent first uses never see a
     # half-written library.
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         partial = Path(scratch) / library.name
-        command = [compiler, *COMPILE_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(partial)]
+        command = [compiler, *COMPILE_FLAGS, *unit.defines, f"-I{jax.ffi.include_dir()}",
+                   str(Path(__file__).with_name(unit.source)), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:  # perhaps a compiler or assembler without AMX: build the rest
+        if result.returncode != 0:  # perhaps a compiler or assembler without AMX: build without it
             command.insert(1, "-DEQX_MODELS_NO_AMX")
             result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"compiling the kernels failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
+            raise RuntimeError(f"compiling the {name} kernels failed:\n{' '.join(command)}\n{result.stderr[-4000:]}")
         os.replace(partial, library)
     return library
 
 
 @functools.cache
-def _load() -> str | None:
-    """Builds and registers the kernels; returns why not, or None when they are ready."""
+def _unavailable() -> str | None:
+    """Why the kernels cannot be used in this process at all, or None."""
     if os.environ.get("EQX_MODELS_KERNELS", "1") == "0":
         return "disabled by EQX_MODELS_KERNELS=0"
-    compiler = _compiler()
-    if compiler is None:
+    if jax.default_backend() != "cpu":
+        return f"they are CPU kernels and the default backend is {jax.default_backend()}"
+    if _compiler() is None:
         return "no C++ compiler found (set CXX)"
-    try:
-        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
-    except (OSError, RuntimeError) as error:
-        warnings.warn(f"eqx_models: CPU decode kernels unavailable, using plain XLA ({error})", stacklevel=3)
-        return str(error)
-    jax.ffi.register_ffi_target(MATVEC_TARGET, jax.ffi.pycapsule(library.EqxStackedMatvec), platform="cpu")
-    jax.ffi.register_ffi_target(ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxDecodeAttention), platform="cpu")
-    jax.ffi.register_ffi_target(WRITE_TARGET, jax.ffi.pycapsule(library.EqxWriteSlots), platform="cpu")
-    jax.ffi.register_ffi_target(
-        PAGED_ATTENTION_TARGET, jax.ffi.pycapsule(library.EqxPagedDecodeAttention), platform="cpu"
-    )
-    jax.ffi.register_ffi_target(WRITE_PAGES_TARGET, jax.ffi.pycapsule(library.EqxWritePages), platform="cpu")
-    jax.ffi.register_ffi_target(DELTA_RULE_TARGET, jax.ffi.pycapsule(library.EqxDeltaRuleStep), platform="cpu")
-    jax.ffi.register_ffi_target(HEADWISE_TARGET, jax.ffi.pycapsule(library.EqxHeadwiseMatvec), platform="cpu")
-    jax.ffi.register_ffi_target(QUANTIZED_TARGET, jax.ffi.pycapsule(library.EqxQuantizedMatvec), platform="cpu")
-    jax.ffi.register_ffi_target(TAKE_ROWS_TARGET, jax.ffi.pycapsule(library.EqxTakeRows), platform="cpu")
-    jax.ffi.register_ffi_target(GREEDY_TARGET, jax.ffi.pycapsule(library.EqxGreedyRows), platform="cpu")
-    _features["quantized_tiles"] = bool(library.EqxQuantizedTiles())
-    _requests["bf16_tiles"] = library.EqxBf16Tiles
     return None
 
 
-_features: dict[str, bool] = {}
-_requests: dict[str, ctypes._CFuncPtr] = {}
+_libraries: dict[str, ctypes.CDLL] = {}
+_builds: dict[str, concurrent.futures.Future] = {}
+_builds_lock = threading.Lock()
+
+
+@functools.cache
+def _build_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)), thread_name_prefix="eqx-cc")
+
+
+def _load_unit(name: str) -> None:
+    """Builds (if needed), loads and registers unit `name`."""
+    library = ctypes.cdll.LoadLibrary(str(_build(name, _compiler())))
+    for target, symbol in UNITS[name].targets:
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+    _libraries[name] = library
+
+
+def _start(names: Sequence[str]) -> None:
+    """Starts loading the units `names` not started yet, one compiler per core;
+    says so on stderr where any must be compiled (a first use on this machine)."""
+    with _builds_lock:
+        fresh = [name for name in dict.fromkeys(names) if name not in _builds]
+        compiling = [name for name in fresh if not _library_path(name, _compiler()).exists()]
+        if compiling:
+            print(
+                f"eqx_models: compiling the CPU kernels {', '.join(compiling)} for this machine (once; cached in "
+                f"{_cache_dir()}; EQX_MODELS_KERNELS=0 runs without them)...",
+                file=sys.stderr, flush=True,
+            )
+        for name in fresh:
+            _builds[name] = _build_pool().submit(_load_unit, name)
+
+
+def _unit_status(name: str, ahead: Sequence[str] = ()) -> str | None:
+    """Loads unit `name` (starting `ahead` and the decode units beside it) and
+    returns None, or why its kernels are not used."""
+    reason = _unavailable()
+    if reason is not None:
+        return reason
+    _start((name, *DECODE_UNITS, *ahead))
+    error = _builds[name].exception()
+    if error is None:
+        return None
+    if not isinstance(error, (OSError, RuntimeError)):
+        raise error
+    _warn_once(name, str(error))
+    return str(error)
+
+
+@functools.cache
+def _warn_once(name: str, reason: str) -> None:
+    warnings.warn(f"eqx_models: CPU kernels {name} unavailable, using plain XLA ({reason})", stacklevel=4)
 
 
 def kernels_status() -> str:
-    """`"ready"`, or the reason the CPU kernels are not used."""
-    reason = _load()
-    return "ready" if reason is None else reason
+    """`"ready"`, or the reason the CPU kernels are not used. Builds every kernel
+    library this machine lacks (in parallel), which models otherwise build one at
+    a time, the first time they need it."""
+    if (reason := _unavailable()) is not None:
+        return reason
+    _start(tuple(UNITS))
+    for name in UNITS:
+        if (reason := _unit_status(name)) is not None:
+            return f"{name}: {reason}"
+    return "ready"
 
 
 def kernels_available() -> bool:
-    """Whether the compiled kernels are used: built for the CPU backend, and the
-    model being traced sits on one device (the kernels are single-device; on a mesh
-    XLA's own operations run and the SPMD partitioner splits them)."""
-    return _load() is None and not spans_devices()
+    """Whether the compiled kernels are used: the CPU backend with a compiler (and
+    `EQX_MODELS_KERNELS` not 0), and the model being traced on one device (the
+    kernels are single-device; on a mesh XLA's own operations run and the SPMD
+    partitioner splits them). Nothing is compiled to answer this."""
+    return _unavailable() is None and not spans_devices()
 
 
 def quantized_tiles_available() -> bool:
@@ -165,8 +254,8 @@ def quantized_tiles_available() -> bool:
     backend with the kernels available, on a CPU with AVX-512 VNNI, where 16
     weight rows at a time meet the rows in integer products (measured faster than
     XLA's dot of the dequantized weight on 2 cores)."""
-    return (jax.default_backend() == "cpu" and kernels_available()
-            and _features.get("quantized_tiles", False))
+    return (kernels_available() and _unit_status("quantized") is None
+            and bool(_libraries["quantized"].EqxQuantizedTiles()))
 
 
 def bf16_tiles_available() -> bool:
@@ -174,7 +263,7 @@ def bf16_tiles_available() -> bool:
     activations against bfloat16 weights too: the CPU backend with the kernels
     available, on a CPU with AMX (bfloat16 tiles) that the OS lets this process
     use. `EQX_MODELS_AMX=0` turns it off."""
-    return jax.default_backend() == "cpu" and kernels_available() and _bf16_tiles_granted()
+    return kernels_available() and _unit_status("matvec") is None and _bf16_tiles_granted()
 
 
 @functools.cache
@@ -183,14 +272,20 @@ def _bf16_tiles_granted() -> bool:
     # granted, the AMX state enlarges every signal frame of the process (and Linux
     # then refuses smaller alternate signal stacks). A CPU without AMX is answered
     # without asking.
-    return bool(_requests["bf16_tiles"]())
+    return bool(_libraries["matvec"].EqxBf16Tiles())
 
 
-def _dispatch(kernel, reference, *args):
-    """`kernel(*args)` when lowering for the CPU with the kernels built, else `reference(*args)`."""
-    if not kernels_available():
+def _dispatch(unit: str, kernel, reference, *args, ahead: Sequence[str] = ()):
+    """`kernel(*args)` when lowering for the CPU with unit `unit` built, else
+    `reference(*args)`. `ahead`: units the model will want next, built meanwhile."""
+    if not kernels_available() or _unit_status(unit, ahead) is not None:
         return reference(*args)
     return jax.lax.platform_dependent(*args, cpu=kernel, default=reference)
+
+
+def _attention_unit(cache: Array) -> str | None:
+    """The attention library for a cache of this dtype, or None where none is built."""
+    return f"attention_{cache.dtype.name}" if cache.dtype.name in ATTENTION_DTYPES else None
 
 
 def _slice(stack: Array, layer: Array) -> Array:
@@ -210,7 +305,7 @@ def _kernel(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, .
 
 @jax.custom_jvp
 def _matvecs(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
-    return _dispatch(_kernel, _reference, x, stacks, layer)
+    return _dispatch("matvec", _kernel, _reference, x, stacks, layer)
 
 
 @_matvecs.defjvp
@@ -309,7 +404,7 @@ def _attention_kernel(
     scale,
 ):
     out = jax.ShapeDtypeStruct((*query.shape[:3], new_value.shape[-1]), jnp.float32)
-    call = jax.ffi.ffi_call(ATTENTION_TARGET, out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"{ATTENTION_TARGET}_{key_stack.dtype.name}", out, vmap_method="sequential")
     return call(
         query, key_stack, value_stack, layer.astype(jnp.int32).reshape(()), valid, self_valid, new_key, new_value,
         sinks, key_scales, value_scales, scale=np.float32(scale),
@@ -345,11 +440,11 @@ def decode_attention(
     """
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     key_scales, value_scales = _checked_scales(key_stack, value_stack, key_scales, value_scales)
-    return _dispatch(
-        functools.partial(_attention_kernel, scale=scale),
-        functools.partial(_attention_reference, scale=scale),
-        query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales,
-    )
+    args = (query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales)
+    reference = functools.partial(_attention_reference, scale=scale)
+    if (unit := _attention_unit(key_stack)) is None or value_stack.dtype != key_stack.dtype:
+        return reference(*args)
+    return _dispatch(unit, functools.partial(_attention_kernel, scale=scale), reference, *args)
 
 
 def _as_bits(x: Array) -> Array:
@@ -377,7 +472,7 @@ def _take(table: Array, layer: Array, ids: Array) -> Array:
     kernel copies just the rows: given the bits as integers, XLA:CPU still copied the
     whole table (hoisted out of the layer loop, for a weight stack) on every call."""
     if table.dtype.itemsize == 2 and table.shape[1] > 0:
-        return _dispatch(_rows_kernel, _rows_reference, table, layer, ids)
+        return _dispatch("gather", _rows_kernel, _rows_reference, table, layer, ids)
     return _rows_reference(table, layer, ids)
 
 
@@ -402,7 +497,7 @@ def greedy_rows(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:
     logits = logits.astype(jnp.float32)
     if logits.shape[-1] == 0:
         raise ValueError("greedy_rows: the logits have an empty last axis; there is no token to pick.")
-    return _dispatch(_greedy_kernel, _greedy_reference, logits)
+    return _dispatch("greedy", _greedy_kernel, _greedy_reference, logits)
 
 
 @jax.custom_jvp
@@ -469,7 +564,7 @@ def _paged_attention_kernel(
     value_scales, scale,
 ):
     out = jax.ShapeDtypeStruct((*query.shape[:3], new_value.shape[-1]), jnp.float32)
-    call = jax.ffi.ffi_call(PAGED_ATTENTION_TARGET, out, vmap_method="sequential")
+    call = jax.ffi.ffi_call(f"{PAGED_ATTENTION_TARGET}_{key_pool.dtype.name}", out, vmap_method="sequential")
     return call(
         query, key_pool, value_pool, layer.astype(jnp.int32).reshape(()), block_tables.astype(jnp.int32), valid,
         self_valid, new_key, new_value, sinks, key_scales, value_scales, scale=np.float32(scale),
@@ -497,12 +592,12 @@ def paged_decode_attention(
     every table entry must name a page of the pool."""
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     key_scales, value_scales = _checked_scales(key_pool, value_pool, key_scales, value_scales)
-    return _dispatch(
-        functools.partial(_paged_attention_kernel, scale=scale),
-        functools.partial(_paged_attention_reference, scale=scale),
-        query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, key_scales,
-        value_scales,
-    )
+    args = (query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks, key_scales,
+            value_scales)
+    reference = functools.partial(_paged_attention_reference, scale=scale)
+    if (unit := _attention_unit(key_pool)) is None or value_pool.dtype != key_pool.dtype:
+        return reference(*args)
+    return _dispatch(unit, functools.partial(_paged_attention_kernel, scale=scale), reference, *args)
 
 
 def _write_pages_reference(pool: Array, update: Array, slots: Array) -> Array:
@@ -531,7 +626,10 @@ def write_pages(
     """`pool` with token `t` of row `b` written at slot `slots[b, t]` (page * page_size
     + offset) of every layer; -1 writes nothing. In place when the pool is donated.
     The last axis may be absent (one item per slot: an int8 cache's scales)."""
-    return _dispatch(_write_pages_kernel, _write_pages_reference, pool, update.astype(pool.dtype), slots)
+    # A cache written is a cache attended to: its attention library is built meanwhile.
+    ahead = [unit] if (unit := _attention_unit(pool)) else []
+    return _dispatch("cache_write", _write_pages_kernel, _write_pages_reference, pool, update.astype(pool.dtype),
+                     slots, ahead=ahead)
 
 
 def _write_reference(buffer: Array, update: Array, start: Array, wrap: bool) -> Array:
@@ -567,10 +665,13 @@ def write_slots(
     update must not be longer than the buffer). Otherwise the caller checks that
     the slots fit; the kernel refuses to write past the end.
     """
+    # A cache written is a cache attended to: its attention library is built meanwhile.
+    ahead = [unit] if (unit := _attention_unit(buffer)) else []
     return _dispatch(
+        "cache_write",
         functools.partial(_write_kernel, wrap=wrap),
         functools.partial(_write_reference, wrap=wrap),
-        buffer, update.astype(buffer.dtype), start,
+        buffer, update.astype(buffer.dtype), start, ahead=ahead,
     )
 
 
@@ -624,8 +725,8 @@ def delta_rule_step(
     """
     args = (pool, layer, slots, fresh, q, k, v, g, beta)
     return _dispatch(
-        functools.partial(_delta_rule_kernel, member=member), functools.partial(_delta_rule_reference, member=member),
-        *args,
+        "delta_rule", functools.partial(_delta_rule_kernel, member=member),
+        functools.partial(_delta_rule_reference, member=member), *args,
     )
 
 
@@ -654,7 +755,7 @@ def _headwise(x, stack, layer, heads, row_start, rows, transpose):
     reference = functools.partial(
         _headwise_reference, heads=heads, row_start=row_start, rows=rows, transpose=transpose
     )
-    return _dispatch(kernel, reference, x, stack, layer)
+    return _dispatch("headwise", kernel, reference, x, stack, layer)
 
 
 @_headwise.defjvp
@@ -743,7 +844,7 @@ def _quantized_matvecs(x, stacks, layer):
     if stacks[0].layout == "tiles" and not (quantized_tiles_available() and stacks[0].activations == "int8"):
         # the kernel reads tiles with VNNI and int8 activations only
         return _quantized_reference(x, stacks, layer)
-    return _dispatch(_quantized_kernel, _quantized_reference, x, stacks, layer)
+    return _dispatch("quantized", _quantized_kernel, _quantized_reference, x, stacks, layer)
 
 
 def _is_zero(tangent) -> bool:

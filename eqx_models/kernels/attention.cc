@@ -20,6 +20,10 @@
 // kv_heads, kv_seq]`, or `[layers, pages, kv_heads, page_size]`): a key is its
 // integers times its scale. The integers are widened in registers and the scale
 // applied once per slot (to the score, and to the value's softmax weight).
+//
+// Each cache dtype is its own build of this file (EQX_MODELS_CACHE_F32, _BF16 or
+// _S8 defined; none: all three), a library of its own: the three together took
+// about a minute to compile, and a model needs one.
 
 #include <algorithm>
 #include <cmath>
@@ -371,27 +375,53 @@ __attribute__((always_inline)) inline void attend(const Problem& p, int64_t b, i
 #else
 #define CLONES
 #endif
+#if !defined(EQX_MODELS_CACHE_F32) && !defined(EQX_MODELS_CACHE_BF16) && !defined(EQX_MODELS_CACHE_S8)
+#define EQX_MODELS_CACHE_F32
+#define EQX_MODELS_CACHE_BF16
+#define EQX_MODELS_CACHE_S8
+#endif
+#ifdef EQX_MODELS_CACHE_F32
 CLONES void attend_f32(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
   attend<float>(p, b, h, scores, row);
 }
+#endif
+#ifdef EQX_MODELS_CACHE_BF16
 CLONES void attend_bf16(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
   attend<uint16_t>(p, b, h, scores, row);
 }
+#endif
+#ifdef EQX_MODELS_CACHE_S8
 CLONES void attend_s8(const Problem& p, int64_t b, int64_t h, std::vector<float>& scores, std::vector<float>& row) {
   attend<int8_t>(p, b, h, scores, row);
 }
+#endif
 
-void run(const Problem& problem) {
+// The attend_* of the cache's dtype, or null where this build has none.
+using Attend = void (*)(const Problem&, int64_t, int64_t, std::vector<float>&, std::vector<float>&);
+Attend attend_for(ffi::DataType type) {
+  switch (type) {
+#ifdef EQX_MODELS_CACHE_F32
+    case ffi::DataType::F32: return attend_f32;
+#endif
+#ifdef EQX_MODELS_CACHE_BF16
+    case ffi::DataType::BF16: return attend_bf16;
+#endif
+#ifdef EQX_MODELS_CACHE_S8
+    case ffi::DataType::S8: return attend_s8;
+#endif
+    default: return nullptr;
+  }
+}
+
+ffi::Error run(const char* name, const Problem& problem) {
+  const Attend attend_row = attend_for(problem.type);
+  if (attend_row == nullptr)
+    return ffi::Error::InvalidArgument(std::string(name) + ": this build does not take the cache's dtype");
   eqx_models::parallel_for(problem.B * problem.H, [&](int64_t task) {
     thread_local std::vector<float> scores, row;
-    const int64_t b = task / problem.H, h = task % problem.H;
-    if (problem.type == ffi::DataType::BF16)
-      attend_bf16(problem, b, h, scores, row);
-    else if (problem.type == ffi::DataType::S8)
-      attend_s8(problem, b, h, scores, row);
-    else
-      attend_f32(problem, b, h, scores, row);
+    attend_row(problem, task / problem.H, task % problem.H, scores, row);
   });
+  return ffi::Error::Success();
 }
 
 // The layer's scales of an int8 stack (`[layers, d1, d2, d3]` beside a 5-d stack
@@ -465,12 +495,11 @@ ffi::Error DecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys,
       error.failure())
     return error;
   const int64_t S = c_dims[3];
-  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
+  return run("decode_attention", Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
               static_cast<const char*>(values.untyped_data()) + value_offset, nullptr, valid.typed_data(),
               self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), layer_key_scales,
               layer_value_scales, out->typed_data(), B, c_dims[2], q.dimensions()[2], S, c_dims[4], S,
               v_new.dimensions()[2], values.dimensions()[4], scale, keys.element_type()});
-  return ffi::Error::Success();
 }
 
 ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ffi::AnyBuffer values,
@@ -497,12 +526,11 @@ ffi::Error PagedDecodeAttention(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer keys, ff
       return ffi::Error::InvalidArgument("paged_decode_attention: a block table entry is not a page of the pool");
   if (valid.dimensions().size() != 2 || valid.dimensions()[1] != S)
     return ffi::Error::InvalidArgument("paged_decode_attention: valid must be [batch, pages_per_row * page_size]");
-  run(Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
+  return run("paged_decode_attention", Problem{q.typed_data(), static_cast<const char*>(keys.untyped_data()) + key_offset,
               static_cast<const char*>(values.untyped_data()) + value_offset, table, valid.typed_data(),
               self_valid.typed_data(), k_new.typed_data(), v_new.typed_data(), sinks.typed_data(), layer_key_scales,
               layer_value_scales, out->typed_data(), B, c_dims[2], q.dimensions()[2], S, c_dims[4], P,
               v_new.dimensions()[2], values.dimensions()[4], scale, keys.element_type()});
-  return ffi::Error::Success();
 }
 
 }  // namespace
