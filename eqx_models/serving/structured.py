@@ -9,6 +9,12 @@ measured it beside xgrammar, which needs torch, and outlines-core, which took
 seconds to compile a schema). Each constrained sequence has a `Matcher`: before a
 step samples its next token the engine asks it for the row's mask (one bit per
 vocabulary entry), after the step it feeds it the token.
+
+Where the grammar forces text (the space after `":"`), llguidance tokenizes it and
+the mask allows only the first of those tokens, so its tokenizer must spell every
+text exactly: `llguidance_tokenizer` gives it one that does, for byte-level BPE
+and SentencePiece byte-fallback vocabularies alike, and checks it before any
+request uses it.
 """
 
 import dataclasses
@@ -84,6 +90,125 @@ class StructuredOutput:
         return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in self.choice))
 
 
+# Texts a grammar forces in JSON, regular expressions and tool calls, and the
+# whitespace and characters that tokenizers reshape: each must come back from
+# llguidance's tokenizer as tokens that spell it byte for byte.
+SPELLING_PROBES = (
+    " ", "  ", ": ", ", ", '": ', '{"a": 1, "b": [true, false, null], "c": "x y"}', " 0.5", "-7",
+    "\n", "\t", " \n ", "a  b ", "caf\u00e9", "cafe\u0301", "\U0001f916",
+)
+SPECIAL_MARKER = b"\xff"  # llguidance's first byte of a special token's name: no text holds it
+
+
+def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_id: int):
+    """llguidance's tokenizer for the model's `vocab_size` rows, whose tokenization
+    of any text gives tokens that spell exactly that text.
+
+    llguidance tokenizes the text a grammar forces (the `" "` after `":"`) and its
+    mask allows only the first of those tokens, so a tokenization that loses, adds
+    or hides bytes makes the mask force a token the grammar then refuses. Its own
+    tokenizer from `tokenizer.json` does that in two ways: it keeps the normalizer
+    and pre-tokenizer, which reshape a whole prompt (a SentencePiece vocabulary
+    converted with `remove_extra_whitespaces` strips outer spaces, so `": "` came
+    back as `":"`), and it reads the text of a special token (`</s>`,
+    `<|im_end|>`) as that token. Here llguidance keeps its own reading of the
+    vocabulary (each token's bytes, which tokens are special), and the text is
+    tokenized by `_Spelling`.
+
+    Raises:
+        ValueError: the vocabulary cannot spell one of `SPELLING_PROBES` or the
+            text of an added token (a tokenizer without byte fallback), or
+            llguidance cannot read it.
+    """
+    import llguidance
+
+    spec = _spelling_spec(json.loads(tokenizer.backend.to_str()))
+    # Read for its tokens only: no slices, which speed up masks.
+    vocabulary = llguidance.LLTokenizer(json.dumps(spec), n_vocab=vocab_size, eos_token=eos_token_id, slices=[])
+    lltokenizer = llguidance.LLTokenizer(_Spelling(spec, vocabulary, eos_token_id), eos_token=eos_token_id)
+    check_spelling(lltokenizer, SPELLING_PROBES + tuple(added["content"] for added in spec["added_tokens"]))
+    return lltokenizer
+
+
+class _Spelling:
+    """A tokenizer as llguidance takes one from Python (its `TokenizerWrapper`'s
+    attributes): every token's bytes, and a call from text to token ids.
+
+    The text is tokenized with the model's vocabulary and merges only: the added
+    tokens that llguidance counts as special (chat markers, BOS/EOS) stand for no
+    text, so the text of one is spelled out as ordinary tokens."""
+
+    is_tokenizer_wrapper = True
+    bos_token_id = None
+    special_token_ids = ()  # their bytes already start with SPECIAL_MARKER
+
+    def __init__(self, spec: dict, vocabulary, eos_token_id: int):
+        import tokenizers
+
+        self.eos_token_id = eos_token_id
+        # The bytes llguidance's trie gives each token (a special one's name after the marker).
+        spelled = [bytes(vocabulary.decode_bytes([token])) for token in range(vocabulary.vocab_size)]
+        self.tokens = [SPECIAL_MARKER + text if text and vocabulary.is_special_token(token) else text
+                       for token, text in enumerate(spelled)]
+        ordinary = [added for added in spec["added_tokens"] if not vocabulary.is_special_token(added["id"])]
+        self._text = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": ordinary}))
+
+    def __call__(self, text: str) -> list[int]:
+        return self._text.encode(text, add_special_tokens=False).ids
+
+
+def _spelling_spec(spec: dict) -> dict:
+    """A `tokenizer.json` object less what reshapes a whole text rather than spells
+    a piece of it: normalizer steps other than literal replacements (a space
+    written as `▁`, which the decoder undoes; gone: stripping and collapsing
+    spaces, NFC, a leading `▁`), a space or `▁` put before the text, truncation
+    and padding."""
+    return {**spec, "normalizer": _literal_replacements(spec.get("normalizer")),
+            "pre_tokenizer": _without_prefix_space(spec.get("pre_tokenizer")), "truncation": None, "padding": None}
+
+
+def _literal_replacements(normalizer: dict | None) -> dict | None:
+    """The `Replace` steps of `normalizer` whose pattern is a plain string."""
+    if normalizer is None:
+        return None
+    if normalizer["type"] == "Sequence":
+        steps = [kept for step in normalizer["normalizers"] if (kept := _literal_replacements(step))]
+        return {"type": "Sequence", "normalizers": steps} if steps else None
+    return normalizer if normalizer["type"] == "Replace" and "String" in normalizer["pattern"] else None
+
+
+def _without_prefix_space(pre_tokenizer: dict | None) -> dict | None:
+    """`pre_tokenizer` with no space or word marker put before the text."""
+    if pre_tokenizer is None:
+        return None
+    kind = pre_tokenizer["type"]
+    if kind == "Sequence":
+        return {**pre_tokenizer, "pretokenizers": [_without_prefix_space(p) for p in pre_tokenizer["pretokenizers"]]}
+    fixed = dict(pre_tokenizer)
+    if kind == "Metaspace" and "prepend_scheme" in fixed:
+        fixed["prepend_scheme"] = "never"
+    if kind in ("Metaspace", "ByteLevel") and "add_prefix_space" in fixed:
+        fixed["add_prefix_space"] = False
+    return fixed
+
+
+def check_spelling(lltokenizer, probes=SPELLING_PROBES) -> None:
+    """Raises ValueError if llguidance's tokenizer turns one of `probes` into
+    tokens that spell something else or include a special token (the masks would
+    then force tokens that the grammar refuses)."""
+    for probe in probes:
+        tokens = lltokenizer.tokenize_str(probe)
+        spelled = bytes(lltokenizer.decode_bytes(tokens))
+        special = [token for token in tokens if lltokenizer.is_special_token(token)]
+        if spelled != probe.encode() or special:
+            raise ValueError(
+                f"Structured outputs cannot use this tokenizer: it turns the text {probe!r} into tokens {tokens} "
+                f"that spell {spelled.decode(errors='replace')!r}" + (f" with special tokens {special}" if special else "")
+                + ", so a grammar forcing that text would be refused. They need a vocabulary that can write any "
+                "text (byte-level BPE, or SentencePiece with byte fallback)."
+            )
+
+
 class Matcher:
     """One sequence's place in its grammar."""
 
@@ -119,9 +244,7 @@ class GrammarCompiler:
             ) from None
         self.vocab_size = vocab_size
         self._executor = llguidance.LLExecutor()  # one thread per core
-        self._tokenizer = llguidance.LLTokenizer(
-            tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids)[0]
-        )
+        self._tokenizer = llguidance_tokenizer(tokenizer, vocab_size, sorted(eos_token_ids)[0])
 
     def matcher(self, structured: StructuredOutput) -> Matcher:
         """A fresh matcher; ValueError naming the problem if the grammar is invalid."""
@@ -135,6 +258,11 @@ class GrammarCompiler:
         if matcher.is_error():
             raise ValueError(f"The structured output is not valid: {matcher.get_error()}")
         return Matcher(matcher)
+
+    @property
+    def lltokenizer(self):
+        """llguidance's tokenizer, which the matchers share (see `llguidance_tokenizer`)."""
+        return self._tokenizer
 
     @property
     def mask_words(self) -> int:
