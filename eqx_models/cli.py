@@ -1,6 +1,7 @@
 """The `eqx-models` command line."""
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -209,19 +210,33 @@ def _quantize_option(args) -> dict | None:
     return dict(PRESETS[args.quantize], keep_indivisible=True)
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Help that ends each option with its default, where it has one to show and
+    its text does not already name it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        unset = action.default is None or action.default is False or action.default == argparse.SUPPRESS
+        if not action.option_strings or unset or "default" in text:
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
     parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser = functools.partial(commands.add_parser, formatter_class=_HelpWithDefaults)
 
     gen = commands.add_parser("generate", help="Continue a prompt; prints the continuation to stdout.")
     gen.add_argument("model", help="Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a local folder.")
     gen.add_argument("--prompt", required=True, help="Text to continue.")
-    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="Most tokens to generate.")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) decodes greedily.")
-    gen.add_argument("--top-k", type=int, default=None)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--top-k", type=int, default=None, help="Sample among the K most likely tokens (default: all).")
+    gen.add_argument("--top-p", type=float, default=None,
+                     help="Sample among the most likely tokens whose probability reaches P (default: all).")
+    gen.add_argument("--seed", type=int, default=0, help="Seed of the sampling.")
     gen.add_argument(
         "--dtype",
         choices=["float32", "bfloat16"],
@@ -240,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="Serve the OpenAI completions and chat API over HTTP.")
     serve.add_argument("model", help="Hugging Face hub id or a local folder.")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
+    serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
     serve.add_argument("--served-model-name", default=None, help="Name clients use (default: MODEL).")
     serve.add_argument("--tokenizer", default=None, help="Tokenizer folder or hub id (default: MODEL).")
     serve.add_argument("--max-model-len", type=int, default=None, help="Most tokens per sequence (default: the model's).")
@@ -251,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=int, default=None, help="KV cache pages in the pool.")
     pool.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (instead of --num-pages).")
-    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="Weight dtype.")
     serve.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                        help="KV page dtype (default: the weights'); int8 fits about twice bfloat16's tokens.")
     serve.add_argument("--quantize", choices=list(PRESETS), default=None,
@@ -272,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--mesh", required=True, help="Mesh axes and sizes, e.g. tensor=4,expert=2 (data, fsdp, tensor, expert).")
     plan.add_argument("--sharding", choices=["default", "dp", "fsdp", "tp", "ep"], default=None,
                       help="Sharding preset (default: the default rules for the mesh's axes).")
-    plan.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    plan.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16", help="Weight dtype.")
     plan.add_argument("--batch-size", type=int, default=0, help="With --max-length: also plan a KV cache this wide.")
     plan.add_argument("--max-length", type=int, default=0, help="Tokens per row of the planned KV cache.")
     plan.add_argument("--json", action="store_true", help="Print the plan as JSON.")
@@ -284,22 +299,22 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--data", required=True,
                       help='JSON lines: {"text": ...} or {"prompt": ..., "completion": ...} (loss on the completion).')
     tune.add_argument("--out", required=True, help="Folder for the result (config.json, safetensors, tokenizer).")
-    tune.add_argument("--steps", type=int, default=100)
+    tune.add_argument("--steps", type=int, default=100, help="Optimizer steps.")
     tune.add_argument("--lora-rank", type=int, default=8, help="0 trains every weight instead of adapters.")
     tune.add_argument("--lora-alpha", type=float, default=None, help="LoRA scaling numerator (default: the rank).")
     tune.add_argument("--lora-targets", default="q_proj|k_proj|v_proj|o_proj", help="Regex of projections to adapt.")
-    tune.add_argument("--learning-rate", type=float, default=1e-3)
-    tune.add_argument("--warmup-steps", type=int, default=10)
-    tune.add_argument("--max-grad-norm", type=float, default=1.0)
+    tune.add_argument("--learning-rate", type=float, default=1e-3, help="Peak learning rate (AdamW).")
+    tune.add_argument("--warmup-steps", type=int, default=10, help="Steps of linear warm-up.")
+    tune.add_argument("--max-grad-norm", type=float, default=1.0, help="Gradients are clipped to this global norm.")
     tune.add_argument("--batch-size", type=int, default=8, help="Packed rows per step.")
     tune.add_argument("--accumulation-steps", type=int, default=1, help="Micro-batches per step (divides --batch-size).")
     tune.add_argument("--seq-len", type=int, default=256, help="Tokens per packed row.")
     tune.add_argument("--remat", choices=["none", "dots", "full"], default="none", help="Rematerialisation policy.")
-    tune.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    tune.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="Weight dtype.")
     tune.add_argument("--quantize", choices=list(PRESETS), default=None,
                       help="Train LoRA adapters on a base quantized while loading (QLoRA); the saved model is "
                            "the merged sum, quantized again.")
-    tune.add_argument("--seed", type=int, default=0)
+    tune.add_argument("--seed", type=int, default=0, help="Seed of the adapters and the batch order.")
     tune.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     tune.set_defaults(run=_finetune)
     return parser

@@ -572,13 +572,16 @@ def _hf_tensors(model: CausalLM, arch) -> list[tuple[str, jax.Array, tuple[int, 
     return out
 
 
-def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_size: int = 5 * 10**9) -> None:
+def save_pretrained(
+    model: CausalLM, directory: str | os.PathLike, *, max_shard_size: int = 5 * 10**9, tokenizer=None
+) -> None:
     """Writes `config.json` and safetensors in the Hugging Face layout.
 
     Checkpoints past `max_shard_size` bytes are split into
     `model-0000i-of-0000n.safetensors` files with a `model.safetensors.index.json`,
     as `transformers` does; `transformers` and `from_pretrained` both load them.
-    Only one shard is held on the host at a time. The tokenizer is not written.
+    Only one shard is held on the host at a time. With `tokenizer` its files are
+    written beside the weights, so `eqx-models generate FOLDER` runs on the folder.
     Every tensor that fills whole memory pages starts on a page boundary of its
     file, so `from_pretrained` maps such files rather than reading them.
 
@@ -594,10 +597,15 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
         directory: the folder to write (created if needed; an earlier checkpoint
             in it is replaced once the new one is complete).
         max_shard_size: most bytes per safetensors file.
+        tokenizer: an `eqx_models.Tokenizer` (from `load_tokenizer`), or anything
+            with a `save_pretrained(folder)` (a `transformers` tokenizer), written
+            after the weights; None writes no tokenizer.
 
     Returns:
         None.
     """
+    if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
+        raise TypeError(f"tokenizer= takes an eqx_models.Tokenizer (load_tokenizer), got {type(tokenizer).__name__}.")
     if any("lora_" in _leaf_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]):
         raise ValueError(
             "The model carries LoRA adapters, which have no place in a transformers checkpoint: save "
@@ -651,6 +659,8 @@ def save_pretrained(model: CausalLM, directory: str | os.PathLike, *, max_shard_
         _move_into_place(staging, directory, file_names)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(directory)
 
 
 # The folder a save writes into before moving its files into place (hidden, so

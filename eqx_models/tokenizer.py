@@ -56,6 +56,7 @@ class Tokenizer:
         self.backend = backend
         self.bos_token = bos_token
         self.eos_token = eos_token
+        self.pad_token = pad_token
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.pad_token_id = backend.token_to_id(pad_token) if pad_token else None
         eos_from_token = backend.token_to_id(eos_token) if eos_token else None
@@ -128,6 +129,41 @@ class Tokenizer:
             **template_kwargs,
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """Writes the tokenizer in the Hugging Face layout, so `load_tokenizer`,
+        `eqx-models generate` and `transformers`' `AutoTokenizer` read it back.
+
+        Args:
+            directory: the folder (created if needed). `tokenizer.json` and
+                `tokenizer_config.json` are written (each under a temporary name,
+                then renamed into place); the EOS ids go into
+                `generation_config.json`, whose other settings are kept.
+
+        Returns:
+            None.
+        """
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in special.items() if v is not None}}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        _replace_text(directory / "tokenizer.json", self.backend.to_str())
+        _replace_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        if self.eos_token_ids:
+            generation_path = directory / "generation_config.json"
+            generation = load_json(generation_path) if generation_path.exists() else {}
+            generation["eos_token_id"] = list(self.eos_token_ids)
+            _replace_text(generation_path, json.dumps(generation, indent=2) + "\n")
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Writes `path` beside itself and renames it into place: a failed write leaves the old file."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text, encoding="utf-8")
+    os.replace(partial, path)
 
 
 def _raise_exception(message: str):

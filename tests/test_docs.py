@@ -205,5 +205,7 @@ def test_models_table_and_readme_row_are_the_registrys():
     assert models_table() in (DOCS / "models" / "index.md").read_text()
     readme_row = next(line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| Models |"))
     assert models_sentence() in readme_row
+    home_row = next(line for line in (DOCS / "index.md").read_text().splitlines() if line.startswith("| **Models** |"))
+    assert models_sentence() in home_row
     pages = {p.stem for p in (DOCS / "models").glob("*.md")} - {"index"}
     assert pages == {name for name, _ in families()}, "one page per family, docs/models/<module>.md"

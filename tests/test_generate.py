@@ -217,3 +217,22 @@ def test_greedy_tokens_are_numpys_argmax():
         assert got.dtype == np.int32
         np.testing.assert_array_equal(got, np.argmax(np.asarray(logits, np.float32), axis=-1))
     assert int(greedy_tokens(jnp.asarray([1.0, 3.0, 2.0]))) == 1
+
+
+def test_every_option_with_a_default_shows_it_in_help():
+    """`--help` named no defaults: a newcomer could not tell what a bare command does."""
+    import argparse
+
+    from eqx_models.cli import build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, command in commands.choices.items():
+        text = " ".join(command.format_help().split())
+        for action in command._actions:
+            if action.option_strings and action.default is not None and action.default is not False \
+                    and action.default != argparse.SUPPRESS:
+                shown = action.help and "default" in action.help
+                assert shown or f"(default: {action.default})" in text, (name, action.option_strings)
+    assert "--max-new-tokens MAX_NEW_TOKENS Most tokens to generate. (default: 64)" in " ".join(
+        commands.choices["generate"].format_help().split())

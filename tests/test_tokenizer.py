@@ -81,3 +81,34 @@ def test_stream_decoder_keeps_the_space_after_the_prompt():
     stream = StreamDecoder(tokenizer, prompt)
     assert "".join(stream.push([i]) for i in rest) == " a time"
     assert stream.text == " a time"
+
+
+def test_a_checkpoint_saved_with_its_tokenizer_runs_in_the_cli(tmp_path, capsys):
+    """`save_pretrained(model, folder, tokenizer=...)` writes a folder that
+    `eqx-models generate` and `transformers` take whole; without the tokenizer the
+    README's own checkpoint did not load in `eqx-models generate`."""
+    from transformers import AutoTokenizer
+
+    from eqx_models.cli import main
+
+    stories = require_fixture(STORIES)
+    tokenizer = eqx_models.load_tokenizer(stories)
+    eqx_models.save_pretrained(eqx_models.from_pretrained(stories), tmp_path, tokenizer=tokenizer)
+    case = json.loads((stories / "expected.json").read_text())[1]
+    assert main(["generate", str(tmp_path), "--prompt", case["prompt"], "--max-new-tokens",
+                 str(len(case["output_ids"]))]) == 0
+    printed = capsys.readouterr().out
+    assert case["prompt"] + printed.rstrip("\n") == case["text"]
+    reloaded = eqx_models.load_tokenizer(tmp_path)
+    assert reloaded.eos_token_ids == tokenizer.eos_token_ids and reloaded.bos_token_id == tokenizer.bos_token_id
+    theirs = AutoTokenizer.from_pretrained(tmp_path)
+    assert theirs(case["prompt"])["input_ids"] == case["prompt_ids"]
+
+
+def test_qwen_tokenizer_saved_and_reloaded_keeps_its_template_and_tokens(qwen, tmp_path):
+    qwen.save_pretrained(tmp_path)
+    reloaded = eqx_models.load_tokenizer(tmp_path)
+    messages = [{"role": "user", "content": "Hi there"}]
+    assert reloaded.apply_chat_template(messages) == qwen.apply_chat_template(messages)
+    assert (reloaded.eos_token_ids, reloaded.pad_token_id) == (qwen.eos_token_ids, qwen.pad_token_id)
+    assert not list(tmp_path.glob("*.partial"))
