@@ -18,6 +18,7 @@ import gguf
 import jsonschema
 import numpy as np
 import pytest
+import tokenizers
 from conftest import QWEN_TOKENIZER, STORIES, require_fixture
 from starlette.testclient import TestClient
 
@@ -26,7 +27,7 @@ from eqx_models.serving import Engine, SamplingParams, StructuredOutput
 from eqx_models.serving.server import Server
 from eqx_models.serving.structured import GrammarCompiler
 from eqx_models.serving.tools import CLOSE, OPEN, parse_tool_calls, required_call
-from eqx_models.tokenizer import StreamDecoder
+from eqx_models.tokenizer import StreamDecoder, Tokenizer
 
 
 def whole(**properties) -> dict:
@@ -143,6 +144,16 @@ def byte_level_gguf(folder, path, size: int = 1024):
     return _written(writer, path)
 
 
+def llama2_layout(folder) -> Tokenizer:
+    """`folder`'s SentencePiece vocabulary laid out as Llama 2's tokenizer.json is:
+    the normalizer prepends "▁" and writes spaces as "▁", no pre-tokenizer."""
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    spec["pre_tokenizer"] = None
+    return Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)), bos_token="<s>", eos_token="</s>")
+
+
 def _written(writer, path):
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -158,6 +169,7 @@ def vocabularies(tmp_path_factory):
     stories, qwen = require_fixture(STORIES), require_fixture(QWEN_TOKENIZER)
     return {
         "sentencepiece": (eqx_models.load_tokenizer(stories), 512),
+        "sentencepiece-llama2": (llama2_layout(stories), 512),
         "sentencepiece-gguf": (eqx_models.load_tokenizer(sentencepiece_gguf(stories, root / "stories.gguf")), 512),
         "byte-level": (eqx_models.load_tokenizer(qwen), 151936),
         "byte-level-gguf": (eqx_models.load_tokenizer(byte_level_gguf(qwen, root / "qwen.gguf")), 1056),
@@ -178,7 +190,7 @@ def compilers(vocabularies):
     return compiler
 
 
-TOKENIZER_KINDS = ["sentencepiece", "sentencepiece-gguf", "byte-level", "byte-level-gguf"]
+TOKENIZER_KINDS = ["sentencepiece", "sentencepiece-llama2", "sentencepiece-gguf", "byte-level", "byte-level-gguf"]
 
 
 @pytest.mark.parametrize("kind", TOKENIZER_KINDS)
@@ -193,6 +205,17 @@ def test_forced_text_is_tokenized_into_tokens_that_spell_it(vocabularies, compil
         assert bytes(lltokenizer.decode_bytes(tokens)) == text.encode(), (text, tokens)
         assert not any(lltokenizer.is_special_token(t) for t in tokens), (text, tokens)
     assert lltokenizer.vocab_size == vocab_size
+
+
+def test_a_vocabulary_that_cannot_spell_forced_text_is_refused_up_front():
+    """Without byte fallback stories260K's vocabulary writes "{" (a byte token of
+    its) as <unk>: a grammar forcing it could only be refused mid-request, so
+    structured outputs are refused before any request, naming the text."""
+    spec = json.loads((require_fixture(STORIES) / "tokenizer.json").read_text())
+    spec["model"]["byte_fallback"] = False
+    tokenizer = Tokenizer(tokenizers.Tokenizer.from_str(json.dumps(spec)), eos_token="</s>")
+    with pytest.raises(ValueError, match="cannot use this tokenizer: it turns the text '{.* that spell '<unk>"):
+        GrammarCompiler(tokenizer, 512, tokenizer.eos_token_ids)
 
 
 def walk(compiler, structured, *, temperature: float, seed: int, prompt_ids, tokenizer) -> tuple[str, bool]:
@@ -277,7 +300,8 @@ def test_the_api_answers_tool_calls_and_schemas_on_a_byte_fallback_vocabulary(st
     templated = eqx_models.load_tokenizer(require_fixture(STORIES))
     templated.chat_template = TOOL_TEMPLATE
     requests = [
-        ("tool_choice=named", 0, dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "set_alarm"}})),
+        ("tool_choice=named", 0, dict(tools=TOOLS, tool_choice={"type": "function",
+                                                                "function": {"name": "set_alarm"}})),
         ("tool_choice=required", 1, dict(tools=TOOLS, tool_choice="required")),
         ("integer", 1, dict(response_format={"type": "json_schema",
                                              "json_schema": {"name": "age", "schema": SCHEMAS["integer"]}})),

@@ -201,11 +201,11 @@ def check_spelling(lltokenizer, probes=SPELLING_PROBES) -> None:
         spelled = bytes(lltokenizer.decode_bytes(tokens))
         special = [token for token in tokens if lltokenizer.is_special_token(token)]
         if spelled != probe.encode() or special:
+            found = f"{spelled.decode(errors='replace')!r}" + (f" with special tokens {special}" if special else "")
             raise ValueError(
                 f"Structured outputs cannot use this tokenizer: it turns the text {probe!r} into tokens {tokens} "
-                f"that spell {spelled.decode(errors='replace')!r}" + (f" with special tokens {special}" if special else "")
-                + ", so a grammar forcing that text would be refused. They need a vocabulary that can write any "
-                "text (byte-level BPE, or SentencePiece with byte fallback)."
+                f"that spell {found}, so a grammar forcing that text would be refused. They need a vocabulary that "
+                "can write any text (byte-level BPE, or SentencePiece with byte fallback)."
             )
 
 
