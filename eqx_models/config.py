@@ -536,6 +536,9 @@ def validate_hf_config(hf: Mapping[str, Any]) -> None:
     (a string `"false"` would read as true); a rope scaling carries the keys its
     type needs; `num_attention_heads` is a multiple of `num_key_value_heads`.
 
+    Args:
+        hf: the config dict (`config.json`, or what a GGUF file's metadata became).
+
     Raises:
         ConfigError: naming the first field that is wrong, its value and what is
             allowed.
