@@ -115,6 +115,15 @@ def llguidance_tokenizer(tokenizer: Tokenizer, vocab_size: int, eos_token_id: in
     vocabulary (each token's bytes, which tokens are special), and the text is
     tokenized by `_Spelling`.
 
+    Args:
+        tokenizer: the model's tokenizer.
+        vocab_size: the model's vocabulary rows (ids past the tokenizer's own are
+            special placeholders that no mask allows).
+        eos_token_id: the token that ends a complete output.
+
+    Returns:
+        An `llguidance.LLTokenizer` for `LLMatcher`s.
+
     Raises:
         ValueError: the vocabulary cannot spell one of `SPELLING_PROBES` or the
             text of an added token (a tokenizer without byte fallback), or
@@ -195,7 +204,12 @@ def _without_prefix_space(pre_tokenizer: dict | None) -> dict | None:
 def check_spelling(lltokenizer, probes=SPELLING_PROBES) -> None:
     """Raises ValueError if llguidance's tokenizer turns one of `probes` into
     tokens that spell something else or include a special token (the masks would
-    then force tokens that the grammar refuses)."""
+    then force tokens that the grammar refuses).
+
+    Args:
+        lltokenizer: an `llguidance.LLTokenizer`.
+        probes: the texts to tokenize.
+    """
     for probe in probes:
         tokens = lltokenizer.tokenize_str(probe)
         spelled = bytes(lltokenizer.decode_bytes(tokens))
