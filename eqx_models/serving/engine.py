@@ -59,7 +59,8 @@ class SequenceUpdate:
 
     `text` is new text only (it never ends inside a multi-byte character or
     inside a possible stop string); `finish_reason` is None while running, then
-    "stop", "length" or "abort".
+    "stop", "length" or "abort". A request the engine failed (rather than one
+    aborted by its client) finishes with "abort" and says why in `error`.
     """
 
     request_id: str
@@ -71,6 +72,7 @@ class SequenceUpdate:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: str | None = None
 
 
 @dataclasses.dataclass(eq=False, kw_only=True)  # compared and hashed by identity
@@ -89,6 +91,8 @@ class _Sequence(ScheduledSequence):
     prompt_entries_sent: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    error: str | None = None  # why the engine failed it
+    suspect: int | None = None  # the failed model call it was in with others, until its culprit is found
 
 
 @dataclasses.dataclass
@@ -103,6 +107,11 @@ class CompletionOutput:
     stop_reason: int | str | None
     logprobs: list[TokenLogprobs]
     prompt_logprobs: list[TokenLogprobs | None] | None
+    error: str | None = None  # with finish_reason "abort": why the engine failed it
+
+
+class _PoolsLost(Exception):
+    """A failed model call had taken the KV pools: the step ends there."""
 
 
 class Engine:
@@ -129,6 +138,14 @@ class Engine:
             begin like an earlier one's skips computing that part (see
             `Scheduler`); off for a model with a recurrent state.
         seed: seeds the requests that do not bring their own.
+
+    A failure while serving one request ends that request alone (finish_reason
+    "abort", with an `error`): its inputs, its text, stops, grammar and
+    log-probabilities, and a model call it ran in alone. When a model call of
+    several requests fails, each of them runs alone from then on until the one at
+    fault is found; if the call had taken the KV pools, every running request is
+    recomputed from its tokens, as after preemption. So the other requests finish
+    with the outputs they would have had without it.
     """
 
     def __init__(
@@ -210,6 +227,8 @@ class Engine:
         self._backlog: list = []  # taken from the inbox while idle, handled first
         self._rng = np.random.default_rng(seed)
         self._ids = itertools.count()
+        self._incidents = itertools.count()  # model calls of several requests that failed
+        self._failed: list[_Sequence] = []  # in this step
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -354,7 +373,7 @@ class Engine:
             if update.prompt_logprobs is not None:
                 out.prompt_logprobs = update.prompt_logprobs
             if update.finish_reason is not None:
-                out.finish_reason, out.stop_reason = update.finish_reason, update.stop_reason
+                out.finish_reason, out.stop_reason, out.error = update.finish_reason, update.stop_reason, update.error
 
         sequences = [
             self._new_sequence(prompt, p, None, lambda u, prompt=list(prompt): collect(u, prompt), False)
@@ -392,14 +411,14 @@ class Engine:
                 self._backlog.append(self._inbox.get())  # sleep until something arrives
             try:
                 self.step()
-            except Exception:  # keep serving: fail the requests of this step, not the server
-                logger.exception("engine step failed; aborting the running requests")
+            except Exception as error:  # outside any one request (scheduling): fail the requests, not the server
+                logger.exception("engine step failed; aborting the running and waiting requests")
                 for sequence in list(self.running) + list(self.waiting):
+                    sequence.error = f"The engine failed a step: {type(error).__name__}: {error}"
                     self._finish(sequence, "abort")
-                    self._emit(sequence)
-                if any(pool.is_deleted() for pool in jax.tree.leaves(self.pools)):  # donated to the failed call
-                    self.pools = self._empty_pools()
-                    self.allocator.forget_cached()  # their pages now hold zeros
+                    self._emit_into([], sequence)
+                if self._pools_lost():
+                    self._reset_pools()
 
     # ------------------------------------------------------------------- steps
 
@@ -408,15 +427,15 @@ class Engine:
         updates: list[SequenceUpdate] = []
         self._drain_inbox(updates)
         plan = self.scheduler.schedule()
-        touched = [sequence for sequence, _ in plan.prefill]
-        self._run_prefill(plan.prefill)  # admits and preempts nothing: the decode rows still run
-        if plan.decode:
-            self._run_decode(plan.decode)
-            touched += plan.decode
-        for sequence in dict.fromkeys(touched):
-            update = self._emit(sequence)
-            if update is not None:
-                updates.append(update)
+        self._failed = []
+        try:
+            self._run_prefill(plan.prefill)  # admits and preempts nothing: the decode rows still run
+            if plan.decode:
+                self._run_decode(plan.decode)
+        except _PoolsLost:
+            pass  # every running sequence waits to be recomputed
+        for sequence in dict.fromkeys([sequence for sequence, _ in plan.prefill] + plan.decode + self._failed):
+            self._emit_into(updates, sequence)
         return updates
 
     def _drain_inbox(self, updates: list[SequenceUpdate]) -> None:
@@ -433,13 +452,30 @@ class Engine:
             elif kind == "abort":
                 for sequence in [s for s in itertools.chain(self.running, self.waiting) if s.id == item]:
                     self._finish(sequence, "abort")
-                    update = self._emit(sequence)
-                    if update is not None:
-                        updates.append(update)
+                    self._emit_into(updates, sequence)
 
     def _finish(self, sequence: _Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         sequence.finish_reason, sequence.stop_reason = reason, stop_reason
         self.scheduler.finish(sequence)
+
+    def _fail(self, sequence: _Sequence, error: Exception) -> None:
+        """Ends one request that could not be served; the others run on."""
+        logger.error("request %s failed; ending it alone", sequence.id, exc_info=error)
+        sequence.error = f"The engine failed while running this request: {type(error).__name__}: {error}"
+        self._finish(sequence, "abort")
+        self._failed.append(sequence)
+
+    def _emit_into(self, updates: list[SequenceUpdate], sequence: _Sequence) -> None:
+        """`_emit`, its update added to `updates`; a listener that raises ends its own request."""
+        try:
+            update = self._emit(sequence)
+        except Exception:
+            logger.exception("handing out the output of %s failed; ending it", sequence.id)
+            if sequence.finish_reason is None:
+                self._finish(sequence, "abort")
+            return
+        if update is not None:
+            updates.append(update)
 
     # -------------------------------------------------------------- model calls
 
@@ -474,51 +510,126 @@ class Engine:
         return forward
 
     def _inputs(self, rows: list[_Sequence], batch: int, width: int, lengths: list[int]) -> dict[str, np.ndarray]:
-        """Host arrays of one call: row i computes the `lengths[i]` tokens after its cache."""
+        """Host arrays of one call: row i computes the `lengths[i]` tokens after its
+        cache. A row that cannot be filled in fails its request and stays padding."""
         seq = max(MIN_CHUNK_BUCKET, _bucket(max(lengths))) if max(lengths) > 1 else 1
-        ids = np.zeros((batch, seq), np.int32)
-        mask = np.zeros((batch, seq), np.int32)
-        targets = np.zeros((batch, seq), np.int32)
-        tables = np.zeros((batch, width), np.int32)
-        positions = np.zeros(batch, np.int32)
-        state_slots = np.full(batch, self.max_num_seqs, np.int32)  # the scratch slot
-        seeds, counters = np.zeros(batch, np.int32), np.zeros(batch, np.int32)
-        temperature, top_p = np.zeros(batch, np.float32), np.ones(batch, np.float32)
-        top_k = np.zeros(batch, np.int32)
+        inputs = dict(
+            ids=np.zeros((batch, seq), np.int32), mask=np.zeros((batch, seq), np.int32),
+            targets=np.zeros((batch, seq), np.int32), tables=np.zeros((batch, width), np.int32),
+            positions=np.zeros(batch, np.int32),
+            state_slots=np.full(batch, self.max_num_seqs, np.int32),  # the scratch slot
+            seeds=np.zeros(batch, np.int32), counters=np.zeros(batch, np.int32),
+            temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
+        )
         for i, (sequence, length) in enumerate(zip(rows, lengths)):
-            new = sequence.token_range(sequence.cached, sequence.cached + length)
-            ids[i, seq - length :] = new  # left-padded: the last column is the newest token
-            mask[i, seq - length :] = 1
-            following = sequence.token_range(sequence.cached + 1, sequence.cached + length + 1)
-            targets[i, seq - length : seq - length + len(following)] = following
-            tables[i, : len(sequence.pages)] = sequence.pages[:width]
-            positions[i] = sequence.cached
-            if sequence.state_slot is not None:
-                state_slots[i] = sequence.state_slot
-            seeds[i], counters[i] = sequence.seed, len(sequence.output_ids)
-            p = sequence.params
-            temperature[i], top_k[i], top_p[i] = p.temperature, max(p.top_k, 0), p.top_p
-        return dict(ids=ids, mask=mask, targets=targets, tables=tables, positions=positions, state_slots=state_slots,
-                    seeds=seeds, counters=counters, temperature=temperature, top_k=top_k, top_p=top_p)
+            try:
+                self._fill_row(inputs, i, sequence, length, width)
+            except Exception as error:
+                self._fail(sequence, error)
+                self._blank_row(inputs, i)
+        return inputs
+
+    def _fill_row(self, inputs: dict[str, np.ndarray], i: int, sequence: _Sequence, length: int, width: int) -> None:
+        seq = inputs["ids"].shape[1]
+        new = sequence.token_range(sequence.cached, sequence.cached + length)
+        inputs["ids"][i, seq - length :] = new  # left-padded: the last column is the newest token
+        inputs["mask"][i, seq - length :] = 1
+        following = sequence.token_range(sequence.cached + 1, sequence.cached + length + 1)
+        inputs["targets"][i, seq - length : seq - length + len(following)] = following
+        inputs["tables"][i, : len(sequence.pages)] = sequence.pages[:width]
+        inputs["positions"][i] = sequence.cached
+        if sequence.state_slot is not None:
+            inputs["state_slots"][i] = sequence.state_slot
+        inputs["seeds"][i], inputs["counters"][i] = sequence.seed, len(sequence.output_ids)
+        p = sequence.params
+        inputs["temperature"][i], inputs["top_k"][i], inputs["top_p"][i] = p.temperature, max(p.top_k, 0), p.top_p
+
+    def _blank_row(self, inputs: dict[str, np.ndarray], i: int) -> None:
+        """Makes row i padding: it writes no page and its token is not kept."""
+        blank = {"state_slots": self.max_num_seqs, "top_p": 1, "allowed": -1}
+        for name, array in inputs.items():
+            array[i] = blank.get(name, 0)
 
     def _call(self, rows, batch, lengths, *, samples: list[bool], all_logits=False):
         """Runs the model on `rows`; `samples[i]`: whether row i's token is kept
-        (its structured output's mask applies)."""
+        (its structured output's mask applies). Rows whose request failed on the way
+        in have their `finish_reason` set; None if the call itself failed
+        (`_call_failed`)."""
         width = min(self.pages_per_seq, _bucket(max(len(s.pages) for s in rows)))
         inputs = self._inputs(rows, batch, width, lengths)
-        masked = [i for i, s in enumerate(rows) if s.matcher is not None and samples[i]]
+        if all(s.finish_reason is not None for s in rows):  # every row failed on the way in
+            return None
+        masked = [i for i, s in enumerate(rows) if s.matcher is not None and samples[i] and s.finish_reason is None]
         if masked:
             inputs["allowed"] = np.full((batch, self._grammars.mask_words), -1, np.int32)
+            self._fill_masks(rows, masked, inputs)
+        try:
+            pools, out = self._forward(
+                self._params, self.pools, inputs,
+                sampled=any(s.params.sampled for s in rows),
+                filters=any(s.params.filters for s in rows),
+                masked=bool(masked),
+                logprobs=any(s.params.logprobs is not None for s in rows),
+                all_logits=all_logits,
+            )
+            out = jax.device_get(out)
+        except Exception as error:
+            self._call_failed(rows, error)
+            return None
+        self.pools = pools
+        return out
+
+    def _fill_masks(self, rows: list[_Sequence], masked: list[int], inputs: dict[str, np.ndarray]) -> None:
+        try:
             self._grammars.fill_masks([(rows[i].matcher, i) for i in masked], inputs["allowed"])
-        self.pools, out = self._forward(
-            self._params, self.pools, inputs,
-            sampled=any(s.params.sampled for s in rows),
-            filters=any(s.params.filters for s in rows),
-            masked=bool(masked),
-            logprobs=any(s.params.logprobs is not None for s in rows),
-            all_logits=all_logits,
-        )
-        return jax.device_get(out)
+        except Exception:  # find the grammar(s) at fault, one by one
+            for i in masked:
+                try:
+                    self._grammars.fill_masks([(rows[i].matcher, i)], inputs["allowed"])
+                except Exception as error:
+                    self._fail(rows[i], error)
+                    self._blank_row(inputs, i)
+
+    def _call_failed(self, rows: list[_Sequence], error: Exception) -> None:
+        """A model call raised. A request alone in it is at fault and fails (and the
+        others of the call it was suspected with are cleared). With others, none can
+        be blamed yet: each runs alone from now on (`_alone_if_suspect`) until the
+        culprit is found. If the call had taken the KV pools, every running sequence
+        waits to be recomputed, as after preemption, and the step ends (`_PoolsLost`)."""
+        live = [sequence for sequence in rows if sequence.finish_reason is None]
+        if len(live) == 1:
+            culprit = live[0]
+            self._fail(culprit, error)
+            if culprit.suspect is not None:
+                for sequence in itertools.chain(self.running, self.waiting):
+                    if sequence.suspect == culprit.suspect:
+                        sequence.suspect = None
+        elif live:
+            incident = next(self._incidents)
+            logger.error("a model call of %d requests failed; running each alone to find the one at fault",
+                         len(live), exc_info=error)
+            for sequence in live:
+                sequence.suspect = incident
+        if self._pools_lost():
+            self._reset_pools()
+            raise _PoolsLost
+
+    def _pools_lost(self) -> bool:
+        """Whether a failed call had taken (donated) the pools."""
+        return any(pool.is_deleted() for pool in jax.tree.leaves(self.pools))
+
+    def _reset_pools(self) -> None:
+        """New, empty pools; every running sequence waits to be recomputed from its tokens."""
+        logger.warning("the KV pages were lost with a failed model call; recomputing the running requests")
+        self.pools = self._empty_pools()
+        self.allocator.forget_cached()  # the new pages hold zeros
+        self.scheduler.preempt_all()
+
+    @staticmethod
+    def _alone_if_suspect(items: list, sequence_of=lambda item: item) -> list[list]:
+        """`items` as model calls: the unsuspected ones together, each suspect alone."""
+        together = [item for item in items if sequence_of(item).suspect is None]
+        return ([together] if together else []) + [[item] for item in items if sequence_of(item).suspect is not None]
 
     def _run_prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
         """Runs the chunks, one call per chunk-length bucket (rows of a call share the
@@ -527,25 +638,44 @@ class Engine:
         for sequence, length in chunks:
             groups[_bucket(length, MIN_CHUNK_BUCKET) if length > 1 else 1].append((sequence, length))
         for group in groups.values():
-            rows = [sequence for sequence, _ in group]
-            lengths = [length for _, length in group]
-            wants = [s.prompt_logprobs and s.cached < len(s.prompt_ids) - 1 for s in rows]
-            samples = [s.cached + length == s.num_tokens for s, length in group]
-            out = self._call(rows, _bucket(len(rows)), lengths, samples=samples, all_logits=any(wants))
-            for row, (sequence, length) in enumerate(group):
+            for call in self._alone_if_suspect(group, lambda chunk: chunk[0]):
+                self._prefill_call(call)
+
+    def _prefill_call(self, group: list[tuple[_Sequence, int]]) -> None:
+        rows = [sequence for sequence, _ in group]
+        lengths = [length for _, length in group]
+        wants = [s.prompt_logprobs and s.cached < len(s.prompt_ids) - 1 for s in rows]
+        samples = [s.cached + length == s.num_tokens for s, length in group]
+        out = self._call(rows, _bucket(len(rows)), lengths, samples=samples, all_logits=any(wants))
+        if out is None:
+            return
+        for row, (sequence, length) in enumerate(group):
+            if sequence.finish_reason is not None:  # failed on the way in
+                continue
+            try:
                 if wants[row]:
                     self._record_prompt_logprobs(sequence, out["prompt"], length, row)
                 completes = sequence.cached + length == sequence.num_tokens
                 self.scheduler.computed(sequence, length)
                 if completes:
                     self._accept(sequence, out, row)
+            except Exception as error:
+                self._fail(sequence, error)
 
     def _run_decode(self, rows: list[_Sequence]) -> None:
-        batch = min(_bucket(len(rows)), _bucket(self.max_num_seqs))
-        out = self._call(rows, batch, [1] * len(rows), samples=[True] * len(rows))
-        for i, sequence in enumerate(rows):
-            self.scheduler.computed(sequence, 1)
-            self._accept(sequence, out, i)
+        for call in self._alone_if_suspect(rows):
+            batch = min(_bucket(len(call)), _bucket(self.max_num_seqs))
+            out = self._call(call, batch, [1] * len(call), samples=[True] * len(call))
+            if out is None:
+                continue
+            for i, sequence in enumerate(call):
+                if sequence.finish_reason is not None:  # failed on the way in
+                    continue
+                try:
+                    self.scheduler.computed(sequence, 1)
+                    self._accept(sequence, out, i)
+                except Exception as error:
+                    self._fail(sequence, error)
 
     def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int, row: int) -> None:
         picked, top_ids, top_values = prompt
@@ -577,9 +707,8 @@ class Engine:
         if sequence.matcher is not None:
             try:
                 sequence.matcher.consume(token)
-            except RuntimeError:  # the mask allowed it: a bug, confined to this request
-                logger.exception("structured output of %s", sequence.id)
-                return self._finish(sequence, "abort")
+            except RuntimeError as error:  # the mask allowed it: a bug, confined to this request
+                return self._fail(sequence, error)
         before = len(sequence.text)
         sequence.text += sequence.decoder.push([token])
         for stop in p.stop:
@@ -615,7 +744,7 @@ class Engine:
         update = SequenceUpdate(
             sequence.id, sequence.pending_ids, text, sequence.pending_logprobs, sequence.finish_reason,
             sequence.stop_reason, len(sequence.prompt_ids), len(sequence.output_ids),
-            prompt_entries,
+            prompt_entries, sequence.error,
         )
         sequence.sent = max(sequence.sent, released)
         sequence.pending_ids, sequence.pending_logprobs = [], []

@@ -7,9 +7,11 @@ draws the same tokens whatever it is batched with, and again after preemption.
 """
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from ..generation import greedy_tokens
@@ -17,6 +19,49 @@ from .structured import StructuredOutput
 
 # Most alternatives per token `logprobs` may ask for (vLLM's default limit).
 MAX_LOGPROBS = 20
+# The sampler holds each row's top-k as an int32 and its temperature as a float32.
+MAX_TOP_K = int(np.iinfo(np.int32).max)
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)
+
+
+class SamplingParamError(ValueError):
+    """A sampling setting of the wrong type or outside what the sampler holds;
+    `field` names it (the HTTP server answers 400 with it as `param`)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
+def _is_integer(value) -> bool:
+    # bool is an int in Python, but `top_k=True` is a mistake, not 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _shown(value) -> str:
+    """`repr(value)`, cut short: a message must not carry a 400-digit number whole."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more than 4300 digits
+        return "an integer of more than 4300 digits"
+    return text if len(text) <= 40 else text[:40] + "..."
+
+
+def _check_integer(field: str, value, low: int, high: int | None = None, note: str = "") -> None:
+    if _is_integer(value) and value >= low and (high is None or value <= high):
+        return
+    allowed = f"from {low} to {high}" if high is not None else f"of at least {low}"
+    raise SamplingParamError(field, f"'{field}' must be an integer {allowed}{note}, got {_shown(value)}.")
+
+
+def _check_number(field: str, value, low: float | int, high: float | int, *, above_low: bool = False,
+                  note: str = "") -> None:
+    # The comparisons also refuse NaN and infinities.
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if number and (value > low if above_low else value >= low) and value <= high:
+        return
+    allowed = f"in ({low}, {high}]" if above_low else f"from {low} to {high:.4g}"
+    raise SamplingParamError(field, f"'{field}' must be a number {allowed}{note}, got {_shown(value)}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,8 +71,11 @@ class SamplingParams:
     Attributes:
         max_tokens: tokens to generate at most.
         temperature: 0 picks the most likely token; otherwise logits are divided by it
-            and sampled.
-        top_p: sample from the smallest set of tokens with this much probability.
+            and sampled. However small it is, the draw stays well defined: a
+            temperature too small to matter picks the most likely token (ties
+            shared), as the limit of the distribution does.
+        top_p: sample from the smallest set of tokens with this much probability
+            (the most likely token always stays).
         top_k: sample from the k most likely tokens; 0 or -1 for all.
         seed: makes sampling reproducible; None draws one per request.
         stop: strings that end the text (not included in it).
@@ -39,6 +87,9 @@ class SamplingParams:
         structured: constrain the output to a JSON schema, a regular expression, a
             grammar or a list of choices (`StructuredOutput`); the request ends
             when the output is complete.
+
+    Raises `SamplingParamError` (a ValueError naming the field) for a setting of
+    the wrong type or outside what the sampler holds.
     """
 
     max_tokens: int = 16
@@ -53,16 +104,19 @@ class SamplingParams:
     structured: StructuredOutput | None = None
 
     def __post_init__(self):
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}.")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}.")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (all tokens) or a positive integer, got {self.top_k!r}.")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs!r}.")
+        _check_integer("max_tokens", self.max_tokens, 1)
+        _check_number("temperature", self.temperature, 0, MAX_TEMPERATURE, note=" (0 is greedy)")
+        _check_number("top_p", self.top_p, 0, 1, above_low=True)
+        _check_integer("top_k", self.top_k, -1, MAX_TOP_K, " (-1 or 0: all tokens)")
+        if self.seed is not None and not _is_integer(self.seed):
+            raise SamplingParamError("seed", f"'seed' must be an integer, got {_shown(self.seed)}.")
+        if self.logprobs is not None:
+            _check_integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if not all(isinstance(stop, str) and stop for stop in self.stop):
+            raise SamplingParamError("stop", f"'stop' strings must not be empty, got {list(self.stop)!r}.")
+        if not all(_is_integer(token) for token in self.stop_token_ids):
+            raise SamplingParamError(
+                "stop_token_ids", f"'stop_token_ids' must be integers, got {list(self.stop_token_ids)!r}.")
 
     @property
     def sampled(self) -> bool:
@@ -99,17 +153,24 @@ def sample_rows(
     greedy = greedy_tokens(logits)
     if not sampled:
         return greedy
-    scaled = logits / jnp.where(temperature > 0, temperature, 1.0)[:, None]
+    # The gaps below the best logit are scaled, not the logits: a temperature as small
+    # as 1e-37 would take logits / temperature to inf and the softmax to NaN, where the
+    # gaps go to -inf and leave the most likely token(s) at 0.
+    best = jnp.take_along_axis(logits, greedy[:, None], axis=-1)
+    scaled = (logits - best) / jnp.where(temperature > 0, temperature, 1.0)[:, None]
     if filters:
         ordered = jnp.sort(scaled, axis=-1)[:, ::-1]
         rank = jnp.arange(ordered.shape[-1])[None]
         in_top_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
         probs = jax.nn.softmax(jnp.where(in_top_k, ordered, -jnp.inf), axis=-1)
-        # A token stays if the mass strictly before it is below top_p (the top one always).
-        keep = in_top_k & ((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None])
+        # A token stays if the mass strictly before it is below top_p; the top one always
+        # (a top_p below float32's smallest number is 0 here, and would keep none).
+        keep = in_top_k & (((jnp.cumsum(probs, axis=-1) - probs) < top_p[:, None]) | (rank == 0))
         threshold = jnp.take_along_axis(ordered, jnp.sum(keep, axis=-1, keepdims=True) - 1, axis=-1)
         scaled = jnp.where(scaled < threshold, -jnp.inf, scaled)
-    cumulative = jnp.cumsum(jax.nn.softmax(scaled, axis=-1), axis=-1)
+    # The best token's scaled gap is 0, so its weight exp(0) = 1 bounds the total from
+    # below and the weights need no normalising: the draw is scaled by their total.
+    cumulative = jnp.cumsum(jnp.exp(scaled), axis=-1)
     keys = jax.vmap(lambda seed, counter: jax.random.fold_in(jax.random.key(seed), counter))(seeds, counters)
     uniform = jax.vmap(jax.random.uniform)(keys) * cumulative[:, -1]
     # The first token whose cumulative mass exceeds the draw (never a zero-mass one).

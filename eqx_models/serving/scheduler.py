@@ -137,6 +137,14 @@ class Scheduler:
                 self.allocator.register(sequence.pages[page], keys[page])
             sequence.registered = full
 
+    def preempt_all(self) -> list[ScheduledSequence]:
+        """Sends every running sequence back to wait, first in line and in the order
+        they ran, to be recomputed from its tokens (after the KV pages were lost)."""
+        preempted: list[ScheduledSequence] = []
+        for sequence in reversed(list(self.running)):
+            self._preempt(sequence, preempted)
+        return preempted[::-1]
+
     def finish(self, sequence: ScheduledSequence) -> None:
         """Takes a sequence out (done or aborted) and gives its pages back."""
         self._give_back_pages(sequence)
