@@ -80,6 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
     from .hub import from_pretrained
     from .serving import Engine
     from .tokenizer import load_tokenizer
+    if args.max_request_bytes < 1:  # before the model loads
+        raise ValueError(f"--max-request-bytes must be a positive number of bytes, got {args.max_request_bytes}.")
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision,
@@ -98,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
     )
-    server = Server(engine, tokenizer, args.served_model_name or args.model, api_key=args.api_key)
+    server = Server(engine, tokenizer, args.served_model_name or args.model, api_key=args.api_key,
+                    max_request_bytes=args.max_request_bytes)
     run(server, args.host, args.port)
     return 0
 
@@ -276,7 +279,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Compute every prompt whole, instead of reusing the cached pages of a prefix it shares "
                             "with an earlier request.")
     serve.add_argument("--seed", type=int, default=0, help="Seeds requests that bring no seed.")
-    serve.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer KEY' on /v1 routes.")
+    serve.add_argument("--api-key", default=None,
+                       help="Require 'Authorization: Bearer KEY' on the /v1 routes (/health and /metrics stay open).")
+    serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
+                       help="Largest request body in bytes; a larger one is refused with 413.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     serve.set_defaults(run=_serve)
 

@@ -78,7 +78,9 @@ class Tokenizer:
         Returns:
             The ids.
         """
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        # The batch call lets go of the GIL while it works (`encode` holds it): a long
+        # text does not stop the other threads (a server's event loop) meanwhile.
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text for `ids`.

@@ -5,17 +5,19 @@ fault, rendered as `{"error": {"message", "type", "param", "code"}}`.
 """
 
 import dataclasses
+import json
 import re
 from typing import Any
 
-from .sampling import MAX_LOGPROBS, SamplingParams
+from .sampling import MAX_LOGPROBS, SamplingParamError, SamplingParams
 from .structured import StructuredOutput
 
 
 class APIError(Exception):
     """A request the server refuses; `body()` is the JSON error it answers with."""
 
-    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 500: "InternalServerError"}
+    TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+             413: "RequestTooLargeError", 500: "InternalServerError"}
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None):
         super().__init__(message)
@@ -30,6 +32,43 @@ class APIError(Exception):
                 "code": self.status,
             }
         }
+
+
+# No request needs JSON nested deeper than this; refusing it up front keeps deep
+# nesting away from the recursive code further on (templates, grammar compilers).
+MAX_JSON_DEPTH = 128
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body's JSON. Malformed JSON (NaN and Infinity included, which are not
+    JSON) or JSON nested more than `MAX_JSON_DEPTH` deep is a 400."""
+    too_deep = APIError(f"The request body's JSON is nested more than {MAX_JSON_DEPTH} levels deep.")
+    try:
+        body = json.loads(raw, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise too_deep from None
+    except ValueError as error:  # bad JSON or UTF-8, or an integer of more than 4300 digits
+        raise APIError(f"The request body is not valid JSON: {error}.") from None
+    # It cannot nest deeper than it has opening brackets: most bodies skip the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _nested_deeper(body, MAX_JSON_DEPTH):
+        raise too_deep
+    return body
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
+
+
+def _nested_deeper(value: Any, limit: int) -> bool:
+    """Whether lists and objects nest more than `limit` deep in `value`."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        stack.extend((child, depth + 1) for child in children if isinstance(child, (dict, list)))
+    return False
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any, what: str) -> Any:
@@ -62,49 +101,60 @@ class GenerationRequest:
     tool_choice: str | dict[str, Any] = "auto"
 
 
+# Settings this server does not apply, and the value that leaves each off: any other
+# value is refused rather than ignored, so that no request is silently sampled
+# otherwise than it asked.
+NOT_APPLIED = {"presence_penalty": 0, "frequency_penalty": 0, "repetition_penalty": 1, "min_p": 0, "min_tokens": 0}
+
+
 def parse_sampling(body: dict, *, default_max_tokens: int | None) -> tuple[dict[str, Any], bool]:
-    """Sampling fields of a request, checked; and whether max_tokens was given."""
+    """Sampling fields of a request, checked (types here, ranges by `SamplingParams`:
+    what the batched sampler can hold); and whether max_tokens was given."""
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     given = max_tokens is not None
     if given:
         max_tokens = _field({"max_tokens": max_tokens}, "max_tokens", (int,), None, "a positive integer")
-        if max_tokens <= 0:
-            raise APIError(f"'max_tokens' must be at least 1, got {max_tokens}.", param="max_tokens")
-    temperature = _field(body, "temperature", (int, float), 1.0, "a number")
-    if temperature < 0:
-        raise APIError(f"'temperature' must be non-negative, got {temperature}.", param="temperature")
-    top_p = _field(body, "top_p", (int, float), 1.0, "a number")
-    if not 0 < top_p <= 1:
-        raise APIError(f"'top_p' must be in (0, 1], got {top_p}.", param="top_p")
-    top_k = _field(body, "top_k", (int,), 0, "an integer")
-    if top_k < -1:
-        raise APIError(f"'top_k' must be -1 (all tokens) or at least 0, got {top_k}.", param="top_k")
-    seed = _field(body, "seed", (int,), None, "an integer")
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
-        raise APIError(f"'stop' must be a string or a list of non-empty strings, got {stop!r}.", param="stop")
+    given_stop = body.get("stop")
+    stop = [] if given_stop is None else [given_stop] if isinstance(given_stop, str) else given_stop
+    if not (isinstance(stop, list) and all(isinstance(s, str) and s for s in stop)):
+        raise APIError(f"'stop' must be a non-empty string or a list of non-empty strings, got {given_stop!r}.",
+                       param="stop")
     stop_token_ids = body.get("stop_token_ids") or []
     if not _int_list(stop_token_ids):
         raise APIError("'stop_token_ids' must be a list of integers.", param="stop_token_ids")
-    for penalty in ("presence_penalty", "frequency_penalty"):
-        if _field(body, penalty, (int, float), 0, "a number") != 0:
-            raise APIError(f"'{penalty}' is not supported by this server; leave it at 0.", param=penalty)
+    _refuse_not_applied(body)
     fields = dict(
         structured=parse_structured(body),
         max_tokens=max_tokens if given else default_max_tokens,
-        temperature=float(temperature),
-        top_p=float(top_p),
-        top_k=top_k,
-        seed=seed,
+        temperature=_field(body, "temperature", (int, float), 1.0, "a number"),
+        top_p=_field(body, "top_p", (int, float), 1.0, "a number"),
+        top_k=_field(body, "top_k", (int,), 0, "an integer"),
+        seed=_field(body, "seed", (int,), None, "an integer"),
         stop=tuple(stop),
         stop_token_ids=tuple(stop_token_ids),
         ignore_eos=_field(body, "ignore_eos", (bool,), False, "true or false"),
     )
+    chat_default = fields["max_tokens"] is None  # chat: set once the prompt's length is known
+    _sampling_params({**fields, "max_tokens": 1} if chat_default else fields)  # refused here, before any work
+    fields.update(temperature=float(fields["temperature"]), top_p=float(fields["top_p"]))
     return fields, given
+
+
+def _refuse_not_applied(body: dict) -> None:
+    for name, off in NOT_APPLIED.items():
+        value = _field(body, name, (int, float), off, "a number")
+        if value != off:
+            raise APIError(f"'{name}' is not supported by this server: leave it out or at {off}, got {value!r}.",
+                           param=name)
+    if _field(body, "logit_bias", (dict,), None, "an object"):
+        raise APIError("'logit_bias' is not supported by this server: leave it out.", param="logit_bias")
+
+
+def _sampling_params(fields: dict[str, Any], logprobs: int | None = None) -> SamplingParams:
+    try:
+        return SamplingParams(**fields, logprobs=logprobs)
+    except SamplingParamError as error:
+        raise APIError(str(error), param=error.field) from None
 
 
 # vLLM's `structured_outputs` keys, and the StructuredOutput fields they set.
@@ -149,11 +199,18 @@ def parse_structured(body: dict) -> StructuredOutput | None:
     return None
 
 
-def parse_common(body: dict) -> tuple[int, bool, bool]:
-    """`n`, `stream` and `stream_options.include_usage`."""
+def parse_common(body: dict, max_n: int | None) -> tuple[int, bool, bool]:
+    """`n` (at most `max_n`), `stream` and `stream_options.include_usage`."""
     n = _field(body, "n", (int,), 1, "a positive integer")
     if n < 1:
         raise APIError(f"'n' must be at least 1, got {n}.", param="n")
+    if max_n is not None and n > max_n:
+        raise APIError(f"'n' is {n}, more choices than this server runs at once (--max-num-seqs {max_n}); ask for "
+                       "at most that many.", param="n")
+    best_of = _field(body, "best_of", (int,), None, "an integer")
+    if best_of is not None and best_of != n:
+        raise APIError(f"'best_of' is not supported by this server: leave it out or equal to 'n' ({n}), got "
+                       f"{best_of}.", param="best_of")
     stream = _field(body, "stream", (bool,), False, "true or false")
     options = _field(body, "stream_options", (dict,), {}, "an object")
     include_usage = _field(options, "include_usage", (bool,), False, "true or false")
@@ -168,15 +225,13 @@ def _sampling_list(fields: dict[str, Any], n: int, count: int, logprobs: int | N
             seed = fields["seed"]
             if seed is not None and n > 1:
                 seed = seed * 1_000_003 + choice
-            try:
-                out.append(SamplingParams(**{**fields, "seed": seed}, logprobs=logprobs))
-            except ValueError as error:
-                raise APIError(str(error)) from None
+            out.append(_sampling_params({**fields, "seed": seed}, logprobs))
     return out
 
 
-def parse_completion(body: Any) -> GenerationRequest:
-    """A `/v1/completions` body: prompt as text, texts, token ids or lists of them."""
+def parse_completion(body: Any, *, max_n: int | None = None) -> GenerationRequest:
+    """A `/v1/completions` body: prompt as text, texts, token ids or lists of them;
+    `max_n`: the most choices (`n`) a prompt may ask for."""
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
     if "prompt" not in body or body["prompt"] is None:
@@ -201,7 +256,7 @@ def parse_completion(body: Any) -> GenerationRequest:
                                  or not 0 <= logprobs <= MAX_LOGPROBS):
         raise APIError(f"'logprobs' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}.", param="logprobs")
     fields, given = parse_sampling(body, default_max_tokens=16)
-    n, stream, include_usage = parse_common(body)
+    n, stream, include_usage = parse_common(body, max_n)
     return GenerationRequest(
         model=_field(body, "model", (str,), None, "a string"),
         prompts=prompts,
@@ -214,8 +269,9 @@ def parse_completion(body: Any) -> GenerationRequest:
     )
 
 
-def parse_chat(body: Any) -> tuple[GenerationRequest, list[dict[str, Any]]]:
-    """A `/v1/chat/completions` body; returns the request (prompt still to render) and the messages."""
+def parse_chat(body: Any, *, max_n: int | None = None) -> tuple[GenerationRequest, list[dict[str, Any]]]:
+    """A `/v1/chat/completions` body; returns the request (prompt still to render) and the
+    messages. `max_n`: the most choices (`n`) it may ask for."""
     if not isinstance(body, dict):
         raise APIError("The request body must be a JSON object.")
     messages = body.get("messages")
@@ -224,10 +280,13 @@ def parse_chat(body: Any) -> tuple[GenerationRequest, list[dict[str, Any]]]:
     for message in messages:
         if not isinstance(message.get("content", ""), (str, type(None))):
             raise APIError("Only text message 'content' (a string) is supported.", param="messages")
-    if body.get("logprobs"):
+    if _field(body, "logprobs", (bool,), False, "true or false"):
         raise APIError("'logprobs' is not supported for chat completions by this server.", param="logprobs")
+    if _field(body, "top_logprobs", (int,), 0, "an integer"):
+        raise APIError("'top_logprobs' needs 'logprobs', which this server does not support for chat completions.",
+                       param="top_logprobs")
     fields, given = parse_sampling(body, default_max_tokens=None)
-    n, stream, include_usage = parse_common(body)
+    n, stream, include_usage = parse_common(body, max_n)
     tools, tool_choice = parse_tools(body)
     if tool_choice not in ("auto", "none") and fields["structured"] is not None:
         raise APIError("A required tool call and 'response_format' cannot both constrain the reply.",

@@ -2,14 +2,19 @@
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions`, `GET /v1/models`,
 `GET /health`, and `GET /metrics` (Prometheus text: free and total KV pages,
-running and waiting requests). The engine runs in its own thread; each request
-waits on an asyncio queue that the engine's updates are posted to.
+running and waiting requests). With an API key, the `/v1` routes need it;
+`/health` and `/metrics` stay open. The engine runs in its own thread; each request
+waits on an asyncio queue that the engine's updates are posted to. A request's
+heavy preparation (parsing its JSON, tokenising, rendering the chat template) runs
+in a worker thread, so that a large one never holds up the others on the event loop.
 """
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -21,11 +26,43 @@ from starlette.routing import Route
 
 from ..tokenizer import Tokenizer
 from .engine import Engine, SequenceUpdate, TokenLogprobs
-from .protocol import APIError, GenerationRequest, chat_sampling, parse_chat, parse_completion
+from .protocol import APIError, GenerationRequest, chat_sampling, parse_chat, parse_completion, parse_json
 from .structured import StructuredOutput
 from .tools import CLOSE, OPEN, ToolCallStream, parse_tool_calls, required_call
 
 logger = logging.getLogger("eqx_models.serving")
+
+DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+# A chat template gets this long to render one request's messages (a template is
+# code from the model's folder: its loops could run for hours) and may produce at
+# most this many times --max-request-bytes characters.
+CHAT_TEMPLATE_SECONDS = 5.0
+CHAT_TEMPLATE_GROWTH = 4
+
+
+class _TemplateTimeout(BaseException):
+    """Raised inside a chat template's render once its time is up; a BaseException, so
+    that no `except Exception` on the way out swallows it."""
+
+
+def _stopped_after(seconds: float, work, *args, **kwargs):
+    """`work(*args, **kwargs)` in this thread, stopped by `_TemplateTimeout` once
+    `seconds` have passed. A trace function (this thread's only) reads the clock at
+    each call of a Python function and at each line of a Jinja template (which
+    compiles to Python), so even a template loop with an empty body is stopped."""
+    deadline = time.monotonic() + seconds
+
+    def check(frame, event, arg):
+        if time.monotonic() > deadline:
+            raise _TemplateTimeout
+        return check if frame.f_code.co_filename == "<template>" else None  # lines: the template's only
+
+    previous = sys.gettrace()
+    sys.settrace(check)
+    try:
+        return work(*args, **kwargs)
+    finally:
+        sys.settrace(previous)
 
 
 class _Submitted:
@@ -87,10 +124,27 @@ def _logprobs_block(tokenizer: Tokenizer, entries: list[TokenLogprobs], offset: 
 
 
 class Server:
-    """Holds the engine, the tokenizer and the served name; builds the Starlette app."""
+    """Holds the engine, the tokenizer and the served name; builds the Starlette app.
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key: str | None = None):
+    Args:
+        engine: the `Engine` that runs the requests (started and stopped with the app).
+        tokenizer: tokenises prompts and renders chat templates.
+        model_name: the `model` clients send (anything else gets 404).
+        api_key: required as `Authorization: Bearer KEY` on the `/v1` routes
+            (`/health` and `/metrics` stay open).
+        max_request_bytes: larger request bodies are refused with 413 before they
+            are read whole.
+        chat_template_seconds: the longest a chat template may take to render one
+            request (400 beyond).
+    """
+
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, model_name: str, *, api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                 chat_template_seconds: float = CHAT_TEMPLATE_SECONDS):
+        if max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be a positive number of bytes, got {max_request_bytes}.")
         self.engine, self.tokenizer, self.model_name, self.api_key = engine, tokenizer, model_name, api_key
+        self.max_request_bytes, self.chat_template_seconds = max_request_bytes, chat_template_seconds
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -129,15 +183,31 @@ class Server:
         return JSONResponse({"object": "list", "data": [card]})
 
     def _denied(self, request: Request) -> Response | None:
-        if self.api_key is None or request.headers.get("authorization") == f"Bearer {self.api_key}":
+        if self.api_key is None:
+            return None
+        sent = request.headers.get("authorization", "").encode()
+        if hmac.compare_digest(sent, f"Bearer {self.api_key}".encode()):  # in constant time
             return None
         return _error(APIError("Invalid or missing API key (send 'Authorization: Bearer <key>').", status=401))
 
-    async def _body(self, request: Request):
-        try:
-            return json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            raise APIError(f"The request body is not valid JSON: {error}.") from None
+    async def _raw_body(self, request: Request) -> bytes:
+        """The body, refused with 413 as soon as it is known to be larger than
+        `max_request_bytes` (from Content-Length, or while it streams in without one)."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise self._too_large(f"{int(declared)} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise self._too_large(f"more than {limit} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, size: str) -> APIError:
+        return APIError(f"The request body is {size}; this server accepts at most {self.max_request_bytes} bytes "
+                        "(--max-request-bytes).", status=413)
 
     def _check_model(self, parsed: GenerationRequest) -> None:
         if parsed.model is not None and parsed.model != self.model_name:
@@ -149,9 +219,7 @@ class Server:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            parsed = parse_completion(await self._body(request))
-            self._check_model(parsed)
-            prompts = [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompts]
+            parsed, prompts = await asyncio.to_thread(self._prepare_completion, await self._raw_body(request))
             submitted = self._submit(prompts, parsed, prompt_logprobs=parsed.echo and parsed.sampling[0].logprobs is not None)
         except APIError as error:
             return _error(error)
@@ -178,6 +246,12 @@ class Server:
         return JSONResponse({**head, "object": "text_completion", "choices": choices,
                              "usage": self._usage(parsed, submitted, results)})
 
+    def _prepare_completion(self, raw: bytes) -> tuple[GenerationRequest, list[list[int]]]:
+        """A completions body parsed and checked, and its prompts' token ids (in a worker thread)."""
+        parsed = parse_completion(parse_json(raw), max_n=self.engine.max_num_seqs)
+        self._check_model(parsed)
+        return parsed, [self.tokenizer.encode(p) if isinstance(p, str) else list(p) for p in parsed.prompts]
+
     def _prompt_logprobs(self, prompt_ids: list[int], entries) -> dict:
         """The echoed prompt's part of `logprobs`: the first token has none."""
         first = self.tokenizer.decode([prompt_ids[0]], skip_special_tokens=False)
@@ -190,9 +264,6 @@ class Server:
                 "top_logprobs": [None] + block["top_logprobs"], "text_offset": offsets}
 
     def _submit(self, prompts: list[list[int]], parsed: GenerationRequest, *, prompt_logprobs: bool = False) -> _Submitted:
-        if parsed.n > self.engine.max_num_seqs:
-            raise APIError(f"'n' is {parsed.n}, more choices than this server runs at once (--max-num-seqs "
-                           f"{self.engine.max_num_seqs}); ask for at most that many.", param="n")
         submitted = _Submitted(self.engine)
         try:
             for index, sampling in enumerate(parsed.sampling):
@@ -212,7 +283,7 @@ class Server:
         """Waits for every choice to finish; or the response to send instead: 499 if the
         client went away first, 500 if the engine failed a step."""
         results = [{"text": "", "logprobs": [], "finish_reason": None, "stop_reason": None, "completion_tokens": 0,
-                    "prompt_logprobs": None} for _ in submitted.prompt_ids]
+                    "prompt_logprobs": None, "error": None} for _ in submitted.prompt_ids]
         while submitted.open:
             try:
                 index, update = await asyncio.wait_for(submitted.next(), timeout=0.5)
@@ -229,8 +300,11 @@ class Server:
                 result["prompt_logprobs"] = update.prompt_logprobs
             if update.finish_reason is not None:
                 result["finish_reason"], result["stop_reason"] = update.finish_reason, update.stop_reason
-        if any(r["finish_reason"] == "abort" for r in results):  # the engine failed a step (see its log)
-            return _error(APIError("The engine failed while running this request; see the server log.", status=500))
+                result["error"] = update.error
+        failed = [r for r in results if r["finish_reason"] == "abort"]
+        if failed:  # the engine failed it (see the server log)
+            message = next((r["error"] for r in failed if r["error"]), "The engine failed while running this request.")
+            return _error(APIError(f"{message} (see the server log)", status=500))
         return results
 
     def _stream(self, request: Request, submitted: _Submitted, parsed: GenerationRequest, head: dict, *, chat: bool,
@@ -259,6 +333,10 @@ class Server:
                 while submitted.open:
                     index, update = await submitted.next()
                     counts[index] = update.num_output_tokens
+                    if update.error is not None:  # the engine failed this choice: say so, as vLLM does
+                        error = APIError(f"choice {index}: {update.error} (see the server log)", status=500)
+                        yield f"data: {json.dumps(error.body(), ensure_ascii=False)}\n\n"
+                        continue
                     if not (update.text or update.finish_reason or update.logprobs):
                         continue
                     if calls is not None:
@@ -293,21 +371,41 @@ class Server:
 
     # -------------------------------------------------------------------- chat
 
+    def _prepare_chat(self, raw: bytes) -> tuple[GenerationRequest, list[int], list[dict] | None]:
+        """A chat body parsed and checked, its prompt rendered and tokenised, and the
+        tools the model sees (in a worker thread)."""
+        parsed, messages = parse_chat(parse_json(raw), max_n=self.engine.max_num_seqs)
+        self._check_model(parsed)
+        tools = parsed.tools if parsed.tool_choice != "none" else None
+        return parsed, self._render_chat(messages, tools), tools
+
     def _render_chat(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
-        """The conversation's prompt; with `tools`, a template that leaves them out is refused."""
+        """The conversation's prompt; with `tools`, a template that leaves them out is
+        refused. The render is bounded in time and size (400 beyond)."""
         try:
-            if tools:
-                with_tools = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
-                if with_tools == self.tokenizer.apply_chat_template(messages, tokenize=False):
-                    raise APIError("This model's chat template does not render 'tools', so the model would not see "
-                                   "them; use a tool-calling model's tokenizer (--tokenizer) or send no tools.",
-                                   param="tools")
-                return self.tokenizer.encode(with_tools, add_special_tokens=False)
-            return self.tokenizer.apply_chat_template(messages)
+            text = _stopped_after(self.chat_template_seconds, self._render_text, messages, tools)
+        except _TemplateTimeout:
+            raise APIError(f"The chat template did not finish rendering these messages within "
+                           f"{self.chat_template_seconds:g} s, this server's limit.", param="messages") from None
         except APIError:
             raise
         except Exception as error:  # a template that refuses these messages
             raise APIError(f"The chat template could not render these messages: {error}", param="messages") from None
+        limit = CHAT_TEMPLATE_GROWTH * self.max_request_bytes
+        if len(text) > limit:
+            raise APIError(f"The chat template rendered {len(text)} characters from these messages, more than this "
+                           f"server's limit of {limit} ({CHAT_TEMPLATE_GROWTH} x --max-request-bytes).",
+                           param="messages")
+        return self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
+
+    def _render_text(self, messages: list[dict], tools: list[dict] | None) -> str:
+        if not tools:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False)
+        with_tools = self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False)
+        if with_tools == self.tokenizer.apply_chat_template(messages, tokenize=False):
+            raise APIError("This model's chat template does not render 'tools', so the model would not see them; "
+                           "use a tool-calling model's tokenizer (--tokenizer) or send no tools.", param="tools")
+        return with_tools
 
     def _constrain_tool_call(self, parsed: GenerationRequest, tools: list[dict]) -> None:
         """Checks the tools' parameter schemas; with tool_choice "required" or a named
@@ -329,10 +427,7 @@ class Server:
         if (denied := self._denied(request)) is not None:
             return denied
         try:
-            parsed, messages = parse_chat(await self._body(request))
-            self._check_model(parsed)
-            tools = parsed.tools if parsed.tool_choice != "none" else None
-            prompt_ids = self._render_chat(messages, tools)
+            parsed, prompt_ids, tools = await asyncio.to_thread(self._prepare_chat, await self._raw_body(request))
             if tools:
                 self._constrain_tool_call(parsed, tools)
             chat_sampling(parsed, len(prompt_ids), self.engine.max_model_len)
