@@ -210,6 +210,9 @@ def test_a_client_that_disconnects_mid_stream_frees_its_sequence(server):
         ({"model": "stories", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
         ({"model": "stories", "prompt": 7}, 400, "prompt"),
         ({"model": "stories", "prompt": "x", "stream": "yes"}, 400, "stream"),
+        ({"model": "stories", "prompt": "x", "top_k": 2**31}, 400, "top_k"),  # failed the whole step: every request 500
+        ({"model": "stories", "prompt": "x", "temperature": 1e39}, 400, "temperature"),
+        ({"model": "stories", "prompt": "x", "stop": ""}, 400, "stop"),
         ({"model": "gpt-4", "prompt": "x"}, 404, "model"),
     ],
 )
@@ -220,6 +223,15 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, bod
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert (error["param"], error["code"]) == (param, status)
     assert server.client.completions.create(model="stories", prompt="Tom", max_tokens=2).choices[0].text
+
+
+def test_a_body_above_the_default_limit_gets_413_with_or_without_a_content_length(server):
+    body = b'{"model": "stories", "prompt": "' + b"x" * (8 << 20) + b'"}'
+    declared = httpx.post(f"{server.url}/v1/completions", content=body, timeout=60)
+    assert declared.status_code == 413 and "at most 8388608 bytes" in declared.json()["error"]["message"]
+    chunks = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20))  # sent chunked
+    streamed = httpx.post(f"{server.url}/v1/completions", content=chunks, timeout=60)
+    assert streamed.status_code == 413 and httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_malformed_json_is_a_400(server):
