@@ -1,7 +1,6 @@
 """The `eqx-models` command line."""
 
 import argparse
-import functools
 import json
 import sys
 import time
@@ -80,9 +79,9 @@ def _serve(args: argparse.Namespace) -> int:
     from .hub import from_pretrained
     from .serving import Engine
     from .tokenizer import load_tokenizer
+
     if args.max_request_bytes < 1:  # before the model loads
         raise ValueError(f"--max-request-bytes must be a positive number of bytes, got {args.max_request_bytes}.")
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision,
                             quantize=_quantize_option(args))
@@ -229,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eqx-models", description="Decoder language models in JAX/Equinox.")
     parser.add_argument("--version", action="version", version=f"eqx-models {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser = functools.partial(commands.add_parser, formatter_class=_HelpWithDefaults)
 
-    gen = commands.add_parser("generate", help="Continue a prompt; prints the continuation to stdout.")
+    gen = commands.add_parser("generate", help="Continue a prompt; prints the continuation to stdout.",
+                           formatter_class=_HelpWithDefaults)
     gen.add_argument("model", help="Hugging Face hub id (e.g. Qwen/Qwen3-0.6B) or a local folder.")
     gen.add_argument("--prompt", required=True, help="Text to continue.")
     gen.add_argument("--max-new-tokens", type=int, default=64, help="Most tokens to generate.")
@@ -256,7 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the tokenizer's chat template.")
     gen.set_defaults(run=_generate)
 
-    serve = commands.add_parser("serve", help="Serve the OpenAI completions and chat API over HTTP.")
+    serve = commands.add_parser("serve", help="Serve the OpenAI completions and chat API over HTTP.",
+                             formatter_class=_HelpWithDefaults)
     serve.add_argument("model", help="Hugging Face hub id or a local folder.")
     serve.add_argument("--host", default="127.0.0.1", help="Address to listen on.")
     serve.add_argument("--port", type=int, default=8000, help="Port to listen on.")
@@ -287,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(run=_serve)
 
     plan = commands.add_parser(
-        "plan", help="Per-device memory of a model on a device mesh (from config.json alone; nothing is loaded)."
+        "plan", formatter_class=_HelpWithDefaults,
+        help="Per-device memory of a model on a device mesh (from config.json alone; nothing is loaded)."
     )
     plan.add_argument("model", help="Hugging Face hub id or a local folder (only config.json is read).")
     plan.add_argument("--mesh", required=True, help="Mesh axes and sizes, e.g. tensor=4,expert=2 (data, fsdp, tensor, expert).")
@@ -300,7 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
     plan.set_defaults(run=_plan)
 
-    tune = commands.add_parser("finetune", help="Fine-tune on a JSON-lines file (LoRA or full); saves a loadable model.")
+    tune = commands.add_parser("finetune", formatter_class=_HelpWithDefaults,
+                               help="Fine-tune on a JSON-lines file (LoRA or full); saves a loadable model.")
     tune.add_argument("model", help="Hugging Face hub id or a local folder.")
     tune.add_argument("--data", required=True,
                       help='JSON lines: {"text": ...} or {"prompt": ..., "completion": ...} (loss on the completion).')

@@ -24,7 +24,7 @@ from .nn.causal_lm import CausalLM
 from .quantization import QuantizationSpec, QuantizedWeight, quantize_weight, spec_for, spec_from_hf, spec_of
 from .quantization import quantize as quantize_model
 from .quantization import host_tiles, rows_to_tiles, scales_to_tiles, tiles_fit, tiles_pay, with_layout
-from .safetensors_file import CheckpointError, TensorSource, aligned_empty, write_safetensors
+from .safetensors_file import CheckpointError, TensorSource, aligned_empty, replacing, write_safetensors
 from .sharding import ShardingRules, placement_for, shard_model, shardings
 
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
@@ -669,10 +669,8 @@ STAGING_PREFIX = ".eqx_models-saving-"
 
 
 def _write_json(path: Path, content: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(content, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    with replacing(path) as f:
+        f.write((json.dumps(content, indent=2) + "\n").encode())
 
 
 def _move_into_place(staging: Path, directory: Path, weight_files: list[str]) -> None:

@@ -6,13 +6,16 @@ The format is an 8-byte little-endian header length, a JSON header of
 then the tensors' bytes, back to back with no gaps.
 """
 
+import contextlib
 import ctypes
 import json
 import math
 import mmap
 import os
 import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import ml_dtypes
 import numpy as np
@@ -315,18 +318,27 @@ def write_safetensors(path: Path, tensors: list[tuple[str, np.ndarray]], metadat
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(8 + len(encoded)) % mmap.PAGESIZE)
+    with replacing(path) as f:
+        f.write(struct.pack("<Q", len(encoded)) + encoded)
+        for _, array in ordered:
+            f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+
+
+@contextlib.contextmanager
+def replacing(path: Path) -> Iterator[IO[bytes]]:
+    """A binary file to write in place of `path`: written beside it
+    (`<name>.partial`), flushed to disk, then renamed over it when the block ends;
+    removed if the block fails, so `path` is either the old file or the whole new one."""
     partial = path.with_name(path.name + ".partial")
     try:
         with open(partial, "wb") as f:
-            f.write(struct.pack("<Q", len(encoded)) + encoded)
-            for _, array in ordered:
-                f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+            yield f
             f.flush()
             os.fsync(f.fileno())  # on disk before the name points at it
+        os.replace(partial, path)
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
-    os.replace(partial, path)
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, alignment: int = 64) -> np.ndarray:

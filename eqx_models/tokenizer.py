@@ -13,6 +13,7 @@ import tokenizers
 from .config import eos_ids, load_json
 from .gguf_file import GGUFFile, find_gguf
 from .hub import TOKENIZER_FILES, resolve_model_dir
+from .safetensors_file import replacing
 
 
 def _token_text(value: Any) -> str | None:
@@ -132,7 +133,6 @@ class Tokenizer:
         )
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
-
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """Writes the tokenizer in the Hugging Face layout, so `load_tokenizer`,
         `eqx-models generate` and `transformers`' `AutoTokenizer` read it back.
@@ -141,7 +141,8 @@ class Tokenizer:
             directory: the folder (created if needed). `tokenizer.json` and
                 `tokenizer_config.json` are written (each under a temporary name,
                 then renamed into place); the EOS ids go into
-                `generation_config.json`, whose other settings are kept.
+                `generation_config.json`. Settings already in either config file
+                that this tokenizer does not hold are kept.
 
         Returns:
             None.
@@ -149,11 +150,13 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         special = {"bos_token": self.bos_token, "eos_token": self.eos_token, "pad_token": self.pad_token}
-        config = {"tokenizer_class": "PreTrainedTokenizerFast", **{k: v for k, v in special.items() if v is not None}}
+        config_path = directory / "tokenizer_config.json"
+        config = load_json(config_path) if config_path.exists() else {"tokenizer_class": "PreTrainedTokenizerFast"}
+        config.update({k: v for k, v in special.items() if v is not None})
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         _replace_text(directory / "tokenizer.json", self.backend.to_str())
-        _replace_text(directory / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
+        _replace_text(config_path, json.dumps(config, indent=2) + "\n")
         if self.eos_token_ids:
             generation_path = directory / "generation_config.json"
             generation = load_json(generation_path) if generation_path.exists() else {}
@@ -162,10 +165,8 @@ class Tokenizer:
 
 
 def _replace_text(path: Path, text: str) -> None:
-    """Writes `path` beside itself and renames it into place: a failed write leaves the old file."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text, encoding="utf-8")
-    os.replace(partial, path)
+    with replacing(path) as f:
+        f.write(text.encode())
 
 
 def _raise_exception(message: str):

@@ -152,7 +152,7 @@ def _build(name: str, compiler: str) -> Path:
         command = [compiler, *COMPILE_FLAGS, *unit.defines, f"-I{jax.ffi.include_dir()}",
                    str(Path(__file__).with_name(unit.source)), "-o", str(partial)]
         result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode != 0:  # perhaps a compiler or assembler without AMX: build without it
+        if result.returncode > 0 and "amx" in result.stderr.lower():  # a compiler or assembler without AMX
             command.insert(1, "-DEQX_MODELS_NO_AMX")
             result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
@@ -183,9 +183,10 @@ def _build_pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(max_workers=len(os.sched_getaffinity(0)), thread_name_prefix="eqx-cc")
 
 
-def _load_unit(name: str) -> None:
-    """Builds (if needed), loads and registers unit `name`."""
-    library = ctypes.cdll.LoadLibrary(str(_build(name, _compiler())))
+def _register(name: str, path: Path) -> None:
+    """Loads unit `name`'s library and registers its FFI targets; on the thread that
+    traces (XLA's handler registry may not be safe to write while it compiles)."""
+    library = ctypes.cdll.LoadLibrary(str(path))
     for target, symbol in UNITS[name].targets:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     _libraries[name] = library
@@ -204,7 +205,7 @@ def _start(names: Sequence[str]) -> None:
                 file=sys.stderr, flush=True,
             )
         for name in fresh:
-            _builds[name] = _build_pool().submit(_load_unit, name)
+            _builds[name] = _build_pool().submit(_build, name, _compiler())
 
 
 def _unit_status(name: str, ahead: Sequence[str] = ()) -> str | None:
@@ -215,6 +216,13 @@ def _unit_status(name: str, ahead: Sequence[str] = ()) -> str | None:
         return reason
     _start((name, *DECODE_UNITS, *ahead))
     error = _builds[name].exception()
+    if error is None and name not in _libraries:
+        try:
+            with _builds_lock:
+                if name not in _libraries:
+                    _register(name, _builds[name].result())
+        except OSError as failure:  # a library that does not load
+            error = failure
     if error is None:
         return None
     if not isinstance(error, (OSError, RuntimeError)):
@@ -440,7 +448,8 @@ def decode_attention(
     """
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     key_scales, value_scales = _checked_scales(key_stack, value_stack, key_scales, value_scales)
-    args = (query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales)
+    args = (query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales,
+            value_scales)
     reference = functools.partial(_attention_reference, scale=scale)
     if (unit := _attention_unit(key_stack)) is None or value_stack.dtype != key_stack.dtype:
         return reference(*args)
