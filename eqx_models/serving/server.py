@@ -281,7 +281,7 @@ class Server:
 
     async def _collect(self, request: Request, submitted: _Submitted) -> list[dict] | Response:
         """Waits for every choice to finish; or the response to send instead: 499 if the
-        client went away first, 500 if the engine failed a step."""
+        client went away first, 500 (with the engine's reason) if the engine failed it."""
         results = [{"text": "", "logprobs": [], "finish_reason": None, "stop_reason": None, "completion_tokens": 0,
                     "prompt_logprobs": None, "error": None} for _ in submitted.prompt_ids]
         while submitted.open:
