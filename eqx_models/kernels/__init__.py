@@ -214,7 +214,7 @@ def _unit_status(name: str, ahead: Sequence[str] = ()) -> str | None:
     reason = _unavailable()
     if reason is not None:
         return reason
-    _start((name, *DECODE_UNITS, *ahead))
+    _start((name, *ahead, *DECODE_UNITS))  # the units asked for first: they take the free cores
     error = _builds[name].exception()
     if error is None and name not in _libraries:
         try:
@@ -313,7 +313,10 @@ def _kernel(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, .
 
 @jax.custom_jvp
 def _matvecs(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
-    return _dispatch("matvec", _kernel, _reference, x, stacks, layer)
+    # A model's products come with decode attention over a cache of (by default)
+    # the weights' dtype: the longest build, started now.
+    ahead = [unit] if (unit := _attention_unit(stacks[0])) else []
+    return _dispatch("matvec", _kernel, _reference, x, stacks, layer, ahead=ahead)
 
 
 @_matvecs.defjvp
