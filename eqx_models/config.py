@@ -83,7 +83,20 @@ GENERIC_IGNORED_KEYS = frozenset(
     }
 )
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+# Every rope type the zoo computes, and the `rope_scaling` keys its frequencies
+# read. The one table both `validate_hf_config` and `DecoderConfig` follow.
+# `original_max_position_embeddings` may be left out of config.json: as
+# transformers does, `read_rope` then takes `max_position_embeddings`.
+ROPE_TYPE_KEYS = {
+    "default": (),
+    "linear": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+SUPPORTED_ROPE_TYPES = tuple(ROPE_TYPE_KEYS)
+# What generation allows when config.json does not say.
+DEFAULT_MAX_POSITION_EMBEDDINGS = 2048
 SUPPORTED_ACTIVATIONS = ("silu", "swish", "gelu_pytorch_tanh")
 
 
@@ -210,7 +223,8 @@ class DecoderConfig:
             raise ConfigError(
                 f"num_attention_heads={self.num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}; grouped-query attention "
-                "needs every key/value head to serve the same number of query heads."
+                "needs every key/value head to serve the same number of query heads. Fix "
+                "these fields (see the model's published config.json)."
             )
         if self.hidden_act not in SUPPORTED_ACTIVATIONS:
             raise ConfigError(
@@ -222,11 +236,25 @@ class DecoderConfig:
                 f"num_experts_per_tok={self.num_experts_per_tok} must be between 1 and "
                 f"num_experts={self.num_experts}."
             )
+        self._check_rope_scaling()
+
+    def _check_rope_scaling(self) -> None:
+        """Refuses a rope type the zoo does not compute, or one without the keys its
+        frequencies read (`ROPE_TYPE_KEYS`)."""
         rope_type = self.rope_type
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        if rope_type not in ROPE_TYPE_KEYS:
             raise ConfigError(
                 f"rope type {rope_type!r} is not supported; expected one of "
                 f"{SUPPORTED_ROPE_TYPES}."
+            )
+        scaling = self.rope_scaling_dict or {}
+        needed = ROPE_TYPE_KEYS[rope_type]
+        missing = [key for key in needed if scaling.get(key) is None]
+        if missing:
+            raise ConfigError(
+                f"the rope scaling (config.json's rope_scaling or rope_parameters) has rope type "
+                f"{rope_type!r} but no {', '.join(missing)}; that type needs {', '.join(needed)}. "
+                "Add them (see the model's published config.json)."
             )
 
     @property
@@ -328,8 +356,8 @@ def freeze_rope_scaling(scaling: Mapping[str, Any] | None) -> tuple[tuple[str, A
         for k, v in scaling.items()
         if k not in ("rope_theta", "partial_rotary_factor")
     }
-    if "type" in frozen and "rope_type" not in frozen:
-        frozen["rope_type"] = frozen.pop("type")
+    if "type" in frozen:  # the old spelling; `rope_type` wins where both are given, as in transformers
+        frozen.setdefault("rope_type", frozen.pop("type"))
     if frozen.get("rope_type", "default") == "default" and len(frozen) <= 1:
         return None
     return tuple(sorted(frozen.items()))
@@ -342,9 +370,17 @@ def read_rope(hf: Mapping[str, Any], *, partial_rotary: bool = False) -> tuple[f
     transformers 5 writes `rope_parameters` (theta and the factor inside); older
     configs write a top-level `rope_theta`, `partial_rotary_factor` and a
     `rope_scaling` dict. A factor other than 1 is refused unless the family
-    implements it (`partial_rotary`).
+    implements it (`partial_rotary`). As transformers does, a scaling that needs
+    the pretraining length and does not give it takes `max_position_embeddings`,
+    and a longrope scaling without `factor` takes `max_position_embeddings /
+    original_max_position_embeddings`.
     """
     params = hf.get("rope_parameters") or {}
+    if any(isinstance(value, Mapping) for value in params.values()):
+        raise ConfigError(
+            f"config field rope_parameters holds one set per layer type ({sorted(params)}), which model_type "
+            f"{hf.get('model_type')!r} does not read; give one flat set (rope_type, rope_theta, ...)."
+        )
     scaling = hf.get("rope_scaling") or params
     theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
     partial = params.get("partial_rotary_factor") or (hf.get("rope_scaling") or {}).get("partial_rotary_factor")
@@ -354,7 +390,23 @@ def read_rope(hf: Mapping[str, Any], *, partial_rotary: bool = False) -> tuple[f
             f"partial_rotary_factor={partial} is not supported for model_type {hf.get('model_type')!r}, whose "
             "reference rotates every channel of a head."
         )
-    return float(theta), freeze_rope_scaling(scaling), partial
+    max_positions = hf.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS
+    return float(theta), freeze_rope_scaling(_with_length_defaults(scaling, max_positions)), partial
+
+
+def _with_length_defaults(scaling: Mapping[str, Any], max_positions: int) -> dict[str, Any]:
+    """`scaling` with the pretraining length (and longrope's factor) filled in
+    where it needs them and leaves them out, as transformers' `standardize_rope_params`
+    and `_compute_longrope_parameters` do."""
+    scaling = dict(scaling)
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if "original_max_position_embeddings" not in ROPE_TYPE_KEYS.get(rope_type, ()):
+        return scaling
+    if scaling.get("original_max_position_embeddings") is None:
+        scaling["original_max_position_embeddings"] = max_positions
+    if rope_type == "longrope" and scaling.get("factor") is None:
+        scaling["factor"] = max_positions / scaling["original_max_position_embeddings"]
+    return scaling
 
 
 def eos_ids(value: Any) -> tuple[int, ...]:
@@ -444,7 +496,7 @@ def decoder_config_from_hf(
         num_attention_heads=heads,
         num_key_value_heads=hf.get("num_key_value_heads") or heads,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=hf.get("max_position_embeddings") or DEFAULT_MAX_POSITION_EMBEDDINGS,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_scaling=scaling,
@@ -516,14 +568,8 @@ BOOL_FIELDS = (
     "rope_interleave", "use_bidirectional_attention",
 )
 STRING_FIELDS = ("model_type", "hidden_act", "hidden_activation")
-# Rope scaling types and the keys each needs (as transformers' rope validation).
-ROPE_REQUIRED_KEYS = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor", "original_max_position_embeddings"),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-    "longrope": ("short_factor", "long_factor"),
-}
+ROPE_NUMBER_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor")
+ROPE_FACTOR_LIST_KEYS = ("short_factor", "long_factor")
 
 
 def validate_hf_config(hf: Mapping[str, Any]) -> None:
@@ -533,8 +579,11 @@ def validate_hf_config(hf: Mapping[str, Any]) -> None:
     JSON has one spelling for each: sizes and counts are integers (`64`, not
     `"64"` nor `64.0`), at least 1 (counts of optional parts at least 0); epsilons,
     bases and scales are finite numbers above 0; switches are `true` / `false`
-    (a string `"false"` would read as true); a rope scaling carries the keys its
-    type needs; `num_attention_heads` is a multiple of `num_key_value_heads`.
+    (a string `"false"` would read as true). The rope scaling's values are checked
+    the same way, in each per-layer-type set of a nested `rope_parameters` too;
+    whether its type is supported and has the keys it needs is `DecoderConfig`'s
+    check (`ROPE_TYPE_KEYS`), made once the family has read it, before anything
+    is built, as is `num_attention_heads` being a multiple of `num_key_value_heads`.
 
     Args:
         hf: the config dict (`config.json`, or what a GGUF file's metadata became).
@@ -547,20 +596,20 @@ def validate_hf_config(hf: Mapping[str, Any]) -> None:
         raise ConfigError(f"config.json holds a JSON {type(hf).__name__}; it must be an object of fields.")
     present = lambda names: [(k, hf[k]) for k in names if hf.get(k) is not None]
     for key, value in present(POSITIVE_INT_FIELDS):
-        _require(key, value, _is_int(value) and value >= 1, "an integer >= 1")
+        _require(key, value, is_positive_integer(value), POSITIVE_INTEGER)
     for key, value in present(COUNT_FIELDS):
-        _require(key, value, _is_int(value) and value >= 0, "an integer >= 0")
+        _require(key, value, is_integer(value) and value >= 0, "an integer >= 0")
     for key, value in present(TOKEN_ID_FIELDS):
-        _require(key, value, _is_int(value), "an integer token id")
+        _require(key, value, is_integer(value), "an integer token id")
     for key, value in present(POSITIVE_NUMBER_FIELDS):
-        _require(key, value, _is_number(value) and value > 0, "a finite number > 0")
+        _require(key, value, is_positive_number(value), POSITIVE_NUMBER)
     for key, value in present(BOOL_FIELDS):
         _require(key, value, isinstance(value, bool), "true or false (a JSON boolean, not a string or number)")
     for key, value in present(STRING_FIELDS):
         _require(key, value, isinstance(value, str), "a string")
     if hf.get("eos_token_id") is not None:
         eos = hf["eos_token_id"]
-        _require("eos_token_id", eos, _is_int(eos) or (isinstance(eos, list) and all(map(_is_int, eos))),
+        _require("eos_token_id", eos, is_integer(eos) or (isinstance(eos, list) and all(map(is_integer, eos))),
                  "an integer token id or a list of them")
     if hf.get("partial_rotary_factor") is not None:
         value = hf["partial_rotary_factor"]
@@ -568,13 +617,8 @@ def validate_hf_config(hf: Mapping[str, Any]) -> None:
     _validate_layer_lists(hf)
     for key in ("rope_scaling", "rope_parameters"):
         if hf.get(key) is not None:
-            _validate_rope(key, hf[key])
-    heads, kv_heads = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
-    if heads is not None and kv_heads is not None and heads % kv_heads:
-        raise ConfigError(
-            f"config field num_key_value_heads is {kv_heads}, which does not divide num_attention_heads={heads}; "
-            "grouped-query attention needs every key/value head to serve the same number of query heads."
-        )
+            for name, scaling in _rope_sets(key, hf[key]):
+                _validate_rope(name, scaling)
 
 
 def _validate_layer_lists(hf: Mapping[str, Any]) -> None:
@@ -592,36 +636,60 @@ def _validate_layer_lists(hf: Mapping[str, Any]) -> None:
     for key in ("mlp_only_layers", "no_rope_layers"):
         value = hf.get(key)
         if value is not None:
-            _require(key, value, isinstance(value, list) and all(_is_int(v) and v >= 0 for v in value),
+            _require(key, value, isinstance(value, list) and all(is_integer(v) and v >= 0 for v in value),
                      "a list of integers >= 0")
 
 
-def _validate_rope(key: str, scaling: Any) -> None:
-    _require(key, scaling, isinstance(scaling, Mapping), "an object (or null)")
+def _rope_sets(key: str, value: Any) -> list[tuple[str, Mapping[str, Any]]]:
+    """The rope parameter sets in `value`, each with the name to report it by: the
+    one set, or, where transformers 5 writes one per layer type (`{"full_attention":
+    {...}, "sliding_attention": {...}}`, Gemma 3), each of those (a null one is a
+    layer type without rotary positions)."""
+    _require(key, value, isinstance(value, Mapping), "an object (or null)")
+    if not any(isinstance(entry, Mapping) for entry in value.values()):
+        return [(key, value)]
+    sets = []
+    for layer_type, entry in value.items():
+        if entry is not None:
+            _require(f"{key}.{layer_type}", entry, isinstance(entry, Mapping), "an object (or null)")
+            sets.append((f"{key}.{layer_type}", entry))
+    return sets
+
+
+def _validate_rope(key: str, scaling: Mapping[str, Any]) -> None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     _require(f"{key}.rope_type", rope_type, isinstance(rope_type, str), "a string")
-    missing = [k for k in ROPE_REQUIRED_KEYS.get(rope_type, ()) if scaling.get(k) is None]
-    if missing:
-        raise ConfigError(
-            f"config field {key} has rope type {rope_type!r} but no {', '.join(missing)}; that type needs "
-            f"{', '.join(ROPE_REQUIRED_KEYS[rope_type])}. Add them (see the model's published config.json)."
-        )
-    for name in ("factor", "low_freq_factor", "high_freq_factor", "rope_theta", "attention_factor"):
+    for name in ROPE_NUMBER_KEYS:
         if scaling.get(name) is not None:
-            _require(f"{key}.{name}", scaling[name], _is_number(scaling[name]) and scaling[name] > 0,
-                     "a finite number > 0")
+            _require(f"{key}.{name}", scaling[name], is_positive_number(scaling[name]), POSITIVE_NUMBER)
     if scaling.get("original_max_position_embeddings") is not None:
         value = scaling["original_max_position_embeddings"]
-        _require(f"{key}.original_max_position_embeddings", value, _is_int(value) and value >= 1, "an integer >= 1")
-    for name in ("short_factor", "long_factor"):
+        _require(f"{key}.original_max_position_embeddings", value, is_positive_integer(value), POSITIVE_INTEGER)
+    for name in ROPE_FACTOR_LIST_KEYS:
         if scaling.get(name) is not None:
             value = scaling[name]
-            _require(f"{key}.{name}", value, isinstance(value, list) and all(_is_number(v) and v > 0 for v in value),
-                     "a list of finite numbers > 0")
+            _require(f"{key}.{name}", value, isinstance(value, list) and all(map(is_positive_number, value)),
+                     f"a list of {POSITIVE_NUMBER}s")
 
 
-def _is_int(value: Any) -> bool:
+POSITIVE_INTEGER = "an integer >= 1"
+POSITIVE_NUMBER = "a finite number > 0"
+
+
+def is_integer(value: Any) -> bool:
+    """Whether `value` is an integer: a Python (or JSON) int, and not a bool (which
+    Python counts as one)."""
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_positive_integer(value: Any) -> bool:
+    """Whether `value` is `POSITIVE_INTEGER`: a size, a count of heads or layers."""
+    return is_integer(value) and value >= 1
+
+
+def is_positive_number(value: Any) -> bool:
+    """Whether `value` is `POSITIVE_NUMBER`: an epsilon, a base, a scale."""
+    return _is_number(value) and value > 0
 
 
 def _is_number(value: Any) -> bool:
@@ -647,7 +715,7 @@ def check_layer_count(hf: Mapping[str, Any], tensor_count: int, source: str) -> 
         ConfigError: more layers than tensors.
     """
     layers = hf.get("num_hidden_layers")
-    if _is_int(layers) and layers > tensor_count:
+    if is_integer(layers) and layers > tensor_count:
         raise ConfigError(
             f"config field num_hidden_layers is {layers}, but {source} holds only {tensor_count} tensors, and "
             "every layer has tensors of its own: the config does not describe this checkpoint. Fix "

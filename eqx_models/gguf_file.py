@@ -27,7 +27,14 @@ import jax
 import ml_dtypes
 import numpy as np
 
-from .config import ConfigError, check_layer_count
+from .config import (
+    POSITIVE_INTEGER,
+    POSITIVE_NUMBER,
+    ConfigError,
+    check_layer_count,
+    is_positive_integer,
+    is_positive_number,
+)
 from .nn.rope import inverse_frequencies
 from .safetensors_file import CheckpointError, aligned_empty
 
@@ -479,8 +486,8 @@ def hf_config(file: GGUFFile) -> dict[str, Any]:
 def _metadata_number(file: GGUFFile, key: str, default: Any = None, *, integer: bool = True,
                      required: bool = True) -> int | float | None:
     """The value of `<architecture>.<key>`, refused unless it is one integer >= 1
-    (or with `integer=False` one finite number > 0); None where it is absent and
-    not `required`.
+    (or with `integer=False` one finite number > 0), by the rules config.json's
+    fields follow; None where it is absent and not `required`.
 
     Raises:
         ConfigError: naming the key, its value and what it must be.
@@ -493,28 +500,40 @@ def _metadata_number(file: GGUFFile, key: str, default: Any = None, *, integer: 
         raise ConfigError(f"{file.path} has no {name} in its metadata; the file is incomplete.")
     if isinstance(value, list):
         raise ConfigError(f"{file.path}: {name} varies by layer ({value[:4]}...), which is not supported.")
-    kinds = int if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds) or not math.isfinite(value) or value <= 0:
-        allowed = "an integer >= 1" if integer else "a finite number > 0"
+    allowed, ok = (POSITIVE_INTEGER, is_positive_integer) if integer else (POSITIVE_NUMBER, is_positive_number)
+    if not ok(value):
         raise ConfigError(f"{file.path}: {name} is {value!r}; it must be {allowed}. The file is corrupt or was edited.")
     return value
 
 
 def _rope_scaling(file: GGUFFile, head_dim: int) -> dict | None:
-    kind = file.arch_value("rope.scaling.type", "none")
-    factor = _metadata_number(file, "rope.scaling.factor", integer=False, required=kind == "yarn")
     if "rope_freqs.weight" in file.tensors:
         return _llama3_scaling(file, head_dim)
-    if kind == "none" or (kind == "linear" and factor in (None, 1.0)):
+    kind = file.arch_value("rope.scaling.type", "none")
+    if kind == "none":
         return None
+    factor = _scaling_factor(file)
     if kind == "linear":
-        return dict(rope_type="linear", factor=float(factor))
+        return None if factor in (None, 1.0) else dict(rope_type="linear", factor=float(factor))
     if kind == "yarn":
+        if factor is None:
+            raise ConfigError(
+                f"{file.path}: yarn rope scaling without {file.architecture}.rope.scaling.factor (absent or 0.0)."
+            )
         original = _metadata_number(file, "rope.scaling.original_context_length", required=False)
         if original is None:
             raise ConfigError(f"{file.path}: yarn rope scaling without rope.scaling.original_context_length.")
         return dict(rope_type="yarn", factor=float(factor), original_max_position_embeddings=int(original))
     raise ConfigError(f"{file.path}: rope scaling {kind!r} is not supported (none, linear, yarn and Llama 3's are).")
+
+
+def _scaling_factor(file: GGUFFile) -> float | None:
+    """`rope.scaling.factor` for the scaling types that read it, None where it is
+    absent or 0.0, which llama.cpp reads as "no scaling" (converters write it so)."""
+    value = file.arch_value("rope.scaling.factor")
+    if value is None or (not isinstance(value, bool) and value == 0.0):
+        return None
+    return _metadata_number(file, "rope.scaling.factor", integer=False)
 
 
 def _llama3_scaling(file: GGUFFile, head_dim: int) -> dict:

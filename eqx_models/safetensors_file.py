@@ -20,6 +20,8 @@ from typing import IO
 import ml_dtypes
 import numpy as np
 
+from .config import is_integer
+
 # Most bytes held at once while reading part of each row of a tensor (a device's
 # block of a weight split along its columns).
 PART_CHUNK_BYTES = 32 * 2**20
@@ -159,7 +161,7 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return is_integer(value) and value >= 0
 
 
 def _check_layout(path: Path, ranges: list[tuple[int, int, str]], data_size: int) -> None:

@@ -312,7 +312,15 @@ CONFIG_CASES = {
         "rope type 'llama3' but no low_freq_factor, high_freq_factor",
     ),
     "a negative rope factor": (dict(rope_scaling={"rope_type": "linear", "factor": -2.0}), "rope_scaling.factor is -2.0"),
-    "heads not a multiple of key/value heads": (dict(num_key_value_heads=3), "num_key_value_heads is 3, which does not"),
+    "heads not a multiple of key/value heads": (
+        dict(num_key_value_heads=3), "num_attention_heads=4 is not a multiple of num_key_value_heads=3"
+    ),
+    "a rope type the zoo does not compute": (
+        dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"
+    ),
+    "an unsupported rope type without its factor": (
+        dict(rope_scaling={"rope_type": "dynamic"}), "rope type 'dynamic' is not supported"
+    ),
     "an eos id as a string": (dict(eos_token_id="2"), "eos_token_id is '2'"),
     "layer_types of the wrong length": (dict(layer_types=["full_attention"]), "layer_types lists 1 layers"),
 }
@@ -345,7 +353,8 @@ def test_a_config_that_is_not_an_object_is_refused(llama, tmp_path):
 
 def test_the_configs_transformers_writes_pass_validation():
     """Every family's default config as transformers writes it (null fields,
-    optional parts at 0) is valid."""
+    optional parts at 0) is valid (the published configs:
+    tests/test_published_configs.py)."""
     from transformers import AutoConfig
 
     from eqx_models.config import validate_hf_config
@@ -353,6 +362,110 @@ def test_the_configs_transformers_writes_pass_validation():
     for model_type in ("llama", "qwen2", "qwen3", "qwen3_moe", "mistral", "mixtral", "gemma2", "gemma3_text",
                        "phi3", "granite", "olmo2", "cohere2", "deepseek_v3", "smollm3", "gpt_oss", "qwen3_next"):
         validate_hf_config(json.loads(AutoConfig.for_model(model_type).to_json_string()))
+
+
+def read_config(hf):
+    from eqx_models.models import architecture_for
+
+    return architecture_for(hf).config_from_hf(hf)
+
+
+def without_original_length(folder):
+    """Takes `original_max_position_embeddings` out of the rope settings
+    transformers wrote (it writes the one it fell back to)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key in ("rope_scaling", "rope_parameters"):
+        if config.get(key):
+            config[key].pop("original_max_position_embeddings", None)
+    path.write_text(json.dumps(config))
+    return config
+
+
+def test_yarn_without_its_original_length_loads_and_matches_transformers(tmp_path):
+    """transformers reads YaRN's missing original_max_position_embeddings as
+    max_position_embeddings; the config was refused, and the rope tables had no
+    length to read."""
+    from conftest import torch_logits
+
+    folder = tmp_path / "yarn"
+    reference = make_checkpoint(folder, tiny_config("llama", rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    written = without_original_length(folder)
+    assert "original_max_position_embeddings" not in (written.get("rope_parameters") or written["rope_scaling"])
+    ids = np.random.default_rng(1).integers(0, 97, (1, 12))
+    model = eqx_models.from_pretrained(folder)
+    assert model.config.rope_scaling_dict["original_max_position_embeddings"] == 256
+    np.testing.assert_allclose(np.asarray(model(ids)[0]), torch_logits(reference, ids), atol=1e-4, rtol=0)
+
+
+LLAMA_DICT = dict(model_type="llama", vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "yarn", "factor": 4.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+    {"type": "yarn", "factor": 4.0},
+])
+def test_rope_scalings_without_their_original_length_read_max_position_embeddings(scaling):
+    config = read_config(dict(LLAMA_DICT, rope_scaling=scaling))
+    assert config.rope_scaling_dict["original_max_position_embeddings"] == 256
+
+
+def test_phi3_longrope_under_its_old_yarn_name_loads():
+    """transformers reads Phi-3's `"type": "yarn"` (an early name) as longrope,
+    which needs no factor: validation refused it for yarn's keys."""
+    from transformers import AutoConfig
+
+    hf = dict(LLAMA_DICT, model_type="phi3", original_max_position_embeddings=64,
+              rope_scaling={"type": "yarn", "short_factor": [1.0, 1.5, 2.0, 2.5], "long_factor": [2.0, 3.0, 4.0, 5.0]})
+    config = read_config(hf)
+    assert config.rope_scaling_dict["rope_type"] == "longrope" and config.rope_scaling_dict["factor"] == 4.0
+    fields = {k: v for k, v in json.loads(json.dumps(hf)).items() if k != "model_type"}
+    assert AutoConfig.for_model("phi3", **fields).rope_parameters["rope_type"] == "longrope"
+
+
+GEMMA3_NESTED = dict(
+    LLAMA_DICT, model_type="gemma3_text", head_dim=8, sliding_window=4,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+)
+NESTED_ROPE_CASES = {
+    "a zero global base": (
+        {"full_attention": {"rope_type": "default", "rope_theta": 0.0}},
+        "rope_parameters.full_attention.rope_theta is 0.0 .*a finite number > 0",
+    ),
+    "a negative local base": (
+        {"sliding_attention": {"rope_type": "default", "rope_theta": -1.0}},
+        "rope_parameters.sliding_attention.rope_theta is -1.0",
+    ),
+    "a linear global scaling without factor": (
+        {"full_attention": {"rope_type": "linear", "rope_theta": 1000000.0}}, "rope type 'linear' but no factor",
+    ),
+    "a negative factor": (
+        {"full_attention": {"rope_type": "linear", "factor": -8.0, "rope_theta": 1000000.0}},
+        "rope_parameters.full_attention.factor is -8.0",
+    ),
+    "a set that is not an object": ({"full_attention": "default"}, "rope_parameters.full_attention is 'default'"),
+}
+
+
+@pytest.mark.parametrize("case", NESTED_ROPE_CASES)
+def test_per_layer_type_rope_parameters_are_checked_like_flat_ones(case):
+    """Gemma 3's rope_parameters as transformers 5 writes them, one set per layer
+    type: a base of 0 gave NaN tables and a missing factor a KeyError when run."""
+    changes, message = NESTED_ROPE_CASES[case]
+    hf = dict(GEMMA3_NESTED, rope_parameters={**GEMMA3_NESTED["rope_parameters"], **changes})
+    with pytest.raises(ConfigError, match=message):
+        read_config(hf)
+
+
+def test_per_layer_type_rope_parameters_are_refused_where_the_family_reads_one_set():
+    hf = dict(LLAMA_DICT, rope_parameters=GEMMA3_NESTED["rope_parameters"])
+    with pytest.raises(ConfigError, match="rope_parameters holds one set per layer type .* model_type 'llama' does "
+                                          "not read"):
+        read_config(hf)
 
 
 # ----------------------------------------------------------------------- GGUF
@@ -494,7 +607,16 @@ GGUF_METADATA_CASES = {
                        "layer_norm_rms_epsilon is 0.0; it must be a finite number > 0"),
     "a negative rope base": ({"llama.rope.freq_base": ("add_float32", -1.0)}, "llama.rope.freq_base is -1.0"),
     "heads not a multiple of key/value heads": ({"llama.attention.head_count_kv": ("add_uint32", 3)},
-                                                "num_key_value_heads is 3, which does not divide"),
+                                                "num_attention_heads=4 is not a multiple of num_key_value_heads=3"),
+    "a negative linear factor": (
+        {"llama.rope.scaling.type": ("add_string", "linear"), "llama.rope.scaling.factor": ("add_float32", -2.0)},
+        "llama.rope.scaling.factor is -2.0",
+    ),
+    "yarn without its factor": (
+        {"llama.rope.scaling.type": ("add_string", "yarn"), "llama.rope.scaling.factor": ("add_float32", 0.0),
+         "llama.rope.scaling.original_context_length": ("add_uint32", 64)},
+        "yarn rope scaling without llama.rope.scaling.factor",
+    ),
 }
 
 
@@ -504,3 +626,15 @@ def test_gguf_hyperparameters_of_the_wrong_type_or_range_are_refused(tmp_path, c
     path = tiny_gguf(tmp_path / "bad.gguf", metadata=metadata)
     with pytest.raises(ConfigError, match=message):
         eqx_models.from_pretrained(path)
+
+
+@pytest.mark.parametrize("kind", ["none", "linear"])
+def test_a_gguf_rope_factor_of_zero_means_no_scaling(tmp_path, kind):
+    """llama.cpp reads rope.scaling.factor 0.0 as no scaling (converters write it
+    with type none); it was refused as a factor that must be > 0."""
+    plain = eqx_models.from_pretrained(tiny_gguf(tmp_path / "plain.gguf"))
+    path = tiny_gguf(tmp_path / "zero.gguf", metadata={
+        "llama.rope.scaling.type": ("add_string", kind), "llama.rope.scaling.factor": ("add_float32", 0.0)})
+    model = eqx_models.from_pretrained(path)
+    assert model.config.rope_scaling is None
+    np.testing.assert_array_equal(np.asarray(model(IDS)[0]), np.asarray(plain(IDS)[0]))
