@@ -1,5 +1,7 @@
-"""The published configs build (shapes only, nothing allocated) with the published sizes."""
+"""The published configs build (shapes only, nothing allocated) with the published sizes,
+and pass config validation as published."""
 
+import copy
 import math
 
 import equinox as eqx
@@ -7,14 +9,17 @@ import jax
 import pytest
 import torch
 
+from eqx_models.config import validate_hf_config
 from eqx_models.models import architecture_for
 from eqx_models.nn.causal_lm import CausalLM
 
 QWEN3_0_6B = dict(
     model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=1024,
     intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-    max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-    use_sliding_window=False, sliding_window=None, max_window_layers=28, attention_bias=False, hidden_act="silu",
+    max_position_embeddings=40960, rope_theta=1000000.0, rope_scaling=None, rms_norm_eps=1e-6,
+    tie_word_embeddings=True, use_sliding_window=False, sliding_window=None, max_window_layers=28,
+    attention_bias=False, attention_dropout=0.0, hidden_act="silu", bos_token_id=151643, eos_token_id=151645,
+    torch_dtype="bfloat16", transformers_version="4.51.0", use_cache=True, initializer_range=0.02,
 )
 QWEN3_30B_A3B = dict(
     model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], vocab_size=151936, hidden_size=2048,
@@ -42,6 +47,11 @@ QWEN2_5_7B = dict(
     max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
     use_sliding_window=False, sliding_window=131072, max_window_layers=28, hidden_act="silu",
 )
+# Qwen2.5's model card: add this rope_scaling for inputs past 32,768 tokens.
+QWEN2_5_7B_INSTRUCT_YARN = dict(
+    QWEN2_5_7B, max_position_embeddings=32768,
+    rope_scaling={"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"},
+)
 MISTRAL_7B_V0_1 = dict(
     model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000, hidden_size=4096,
     intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
@@ -55,6 +65,31 @@ GEMMA_3_1B = dict(
     rms_norm_eps=1e-6, sliding_window=512, sliding_window_pattern=6, query_pre_attn_scalar=256,
     hidden_activation="gelu_pytorch_tanh", attention_bias=False, final_logit_softcapping=None,
     attn_logit_softcapping=None, cache_implementation="hybrid", tie_word_embeddings=True,
+)
+# Gemma 3 1B as transformers 5 writes it (save_pretrained): one rope parameter set
+# per layer type, the layer types listed, the old rope fields gone.
+GEMMA_3_1B_TRANSFORMERS_5 = dict(
+    model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], transformers_version="5.0.0", dtype="bfloat16",
+    vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+    num_key_value_heads=1, head_dim=256, hidden_activation="gelu_pytorch_tanh", max_position_embeddings=32768,
+    initializer_range=0.02, rms_norm_eps=1e-6, use_cache=True, pad_token_id=0, eos_token_id=1, bos_token_id=2,
+    tie_word_embeddings=True,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+    attention_bias=False, attention_dropout=0.0, query_pre_attn_scalar=256, sliding_window=512,
+    layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26)],
+    final_logit_softcapping=None, attn_logit_softcapping=None, use_bidirectional_attention=False,
+    cache_implementation="hybrid",
+)
+# The 4B and larger Gemma 3 stretch their global layers' positions 8 times.
+GEMMA_3_LINEAR_TRANSFORMERS_5 = dict(
+    GEMMA_3_1B_TRANSFORMERS_5,
+    rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+    },
 )
 MIXTRAL_8X7B = dict(
     model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=4096,
@@ -84,6 +119,17 @@ PHI_4_MINI = dict(
     PHI_3_MINI_4K, vocab_size=200064, num_attention_heads=24, num_key_value_heads=8, partial_rotary_factor=0.75,
     max_position_embeddings=131072, sliding_window=262144, tie_word_embeddings=True,
     rope_scaling=dict(type="longrope", short_factor=[1.0] * 48, long_factor=[1.0] * 48),
+)
+# Phi-3.5-mini-instruct: LongRoPE, the pretraining length outside rope_scaling.
+# 48 factors each in the release; the values here are stand-ins of the same form.
+PHI_3_5_MINI = dict(
+    PHI_3_MINI_4K, max_position_embeddings=131072, original_max_position_embeddings=4096, sliding_window=262144,
+    bos_token_id=1, eos_token_id=32000, pad_token_id=32000, attention_bias=False, torch_dtype="bfloat16",
+    rope_scaling={
+        "long_factor": [1.0800000429153442 + 0.5 * i for i in range(48)],
+        "short_factor": [1.0 + 0.01 * i for i in range(48)],
+        "type": "longrope",
+    },
 )
 OLMO_2_7B = dict(
     model_type="olmo2", architectures=["Olmo2ForCausalLM"], vocab_size=100352, hidden_size=4096,
@@ -171,11 +217,14 @@ PUBLISHED = {
     "Llama-3.1-8B": (LLAMA_3_1_8B, 8_030_261_248),
     "Llama-3.1-70B": (LLAMA_3_1_70B, 70_553_706_496),
     "Qwen2.5-7B": (QWEN2_5_7B, 7_615_616_512),
+    "Qwen2.5-7B-Instruct with YaRN": (QWEN2_5_7B_INSTRUCT_YARN, 7_615_616_512),
     "Mistral-7B-v0.1": (MISTRAL_7B_V0_1, 7_241_732_096),
     "Gemma-3-1B": (GEMMA_3_1B, 999_885_952),
+    "Gemma-3-1B (transformers 5)": (GEMMA_3_1B_TRANSFORMERS_5, 999_885_952),
     "Mixtral-8x7B-v0.1": (MIXTRAL_8X7B, 46_702_792_704),
     "Gemma-2-2B": (GEMMA_2_2B, 2_614_341_888),
     "Phi-3-mini-4k": (PHI_3_MINI_4K, 3_821_079_552),
+    "Phi-3.5-mini": (PHI_3_5_MINI, 3_821_079_552),
     "Phi-4-mini": (PHI_4_MINI, 3_836_021_760),
     "OLMo-2-1124-7B": (OLMO_2_7B, 7_298_617_344),
 }
@@ -194,6 +243,15 @@ PUBLISHED_WHOLE_BILLIONS = {
 }
 
 
+EVERY_PUBLISHED_CONFIG = {
+    **{name: config for name, (config, *_) in PUBLISHED.items()},
+    **{name: config for name, (config, *_) in PUBLISHED_ROUNDED.items()},
+    **{name: config for name, (config, *_) in PUBLISHED_WHOLE_BILLIONS.items()},
+    "DeepSeek-V2-Lite": DEEPSEEK_V2_LITE,
+    "Gemma-3 linear (transformers 5)": GEMMA_3_LINEAR_TRANSFORMERS_5,
+}
+
+
 def shapes_of(hf_config: dict) -> CausalLM:
     config = architecture_for(hf_config).config_from_hf(hf_config)
     return eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0))
@@ -206,7 +264,9 @@ def parameter_count(model) -> int:
 def transformers_parameter_count(hf_config: dict) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = {k: v for k, v in hf_config.items() if k not in ("model_type", "architectures", "cache_implementation")}
+    # transformers fills in the rope dicts it is given: a copy keeps the published ones as published.
+    fields = {k: copy.deepcopy(v) for k, v in hf_config.items()
+              if k not in ("model_type", "architectures", "cache_implementation")}
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.for_model(hf_config["model_type"], **fields))
     saved = set(model.state_dict())  # saved buffers are weights too (DeepSeek-V3's routing bias)
@@ -305,3 +365,31 @@ def test_deepseek_v2_lite_total_and_active_parameters():
     active = count - parameter_count(model.model.embed_tokens) - expert_params * (64 - 6) // 64
     assert round(count / 1e9, 1) == 15.7 and 2.4e9 <= active < 2.5e9
     assert model.config.cache_layout() == (1, 576, 0)
+
+
+@pytest.mark.parametrize("name", EVERY_PUBLISHED_CONFIG)
+def test_published_config_passes_validation_and_reads(name):
+    hf_config = EVERY_PUBLISHED_CONFIG[name]
+    validate_hf_config(hf_config)
+    config = architecture_for(hf_config).config_from_hf(hf_config)
+    assert config.num_hidden_layers == hf_config["num_hidden_layers"]
+
+
+def test_published_rope_settings_read_as_published():
+    read = lambda hf: architecture_for(hf).config_from_hf(hf)
+    assert read(LLAMA_3_1_8B).rope_scaling_dict == dict(
+        rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192
+    )
+    assert read(QWEN2_5_7B_INSTRUCT_YARN).rope_scaling_dict == dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=32768
+    )
+    assert read(DEEPSEEK_V3).rope_scaling_dict["original_max_position_embeddings"] == 4096
+    phi = read(PHI_3_5_MINI).rope_scaling_dict
+    assert phi["rope_type"] == "longrope" and phi["original_max_position_embeddings"] == 4096
+    assert phi["factor"] == 32.0 and len(phi["long_factor"]) == len(phi["short_factor"]) == 48
+    gemma = read(GEMMA_3_1B_TRANSFORMERS_5)
+    assert (gemma.rope_theta, gemma.local_rope_theta, gemma.rope_scaling) == (1e6, 1e4, None)
+    assert read(GEMMA_3_LINEAR_TRANSFORMERS_5).rope_scaling_dict == dict(rope_type="linear", factor=8.0)
+    assert read(MIXTRAL_8X7B).sliding_window is None
+    qwen3 = read(QWEN3_0_6B)
+    assert (qwen3.head_dim, qwen3.rope_scaling) == (128, None)
