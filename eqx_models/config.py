@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import numbers
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
@@ -677,9 +678,9 @@ POSITIVE_NUMBER = "a finite number > 0"
 
 
 def is_integer(value: Any) -> bool:
-    """Whether `value` is an integer: a Python (or JSON) int, and not a bool (which
-    Python counts as one)."""
-    return isinstance(value, int) and not isinstance(value, bool)
+    """Whether `value` is an integer: a Python (or JSON) int or a NumPy integer, and
+    not a bool (which Python counts as one)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def is_positive_integer(value: Any) -> bool:

@@ -14,6 +14,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .cache import KVCache, resolve_cache_dtype
+from .config import is_integer
 from .kernels import greedy_rows
 from .nn.causal_lm import CausalLM
 
@@ -48,17 +49,12 @@ class Sampling:
             0 <= self.temperature < math.inf
         ):
             raise ValueError(f"temperature must be >= 0 and finite (0 means greedy), got {self.temperature!r}.")
-        if self.top_k is not None and (not _is_integer(self.top_k) or self.top_k < 1):
+        if self.top_k is not None and (not is_integer(self.top_k) or self.top_k < 1):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}.")
         if self.top_p is not None and (
             isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) or not 0 < self.top_p <= 1
         ):
             raise ValueError(f"top_p must be in (0, 1] or None, got {self.top_p!r}.")
-
-
-def _is_integer(value) -> bool:
-    """A Python or NumPy integer, not a bool (which Python counts as one)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def greedy_tokens(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:
@@ -242,9 +238,9 @@ def stream_generate(
         `[batch]` int32 numpy arrays, one per step; stops early once every row has
         produced an EOS token.
     """
-    if not _is_integer(max_new_tokens) or max_new_tokens < 1:
+    if not is_integer(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be at least 1 and an integer, got {max_new_tokens!r}.")
-    if not _is_integer(seed):
+    if not is_integer(seed):
         raise ValueError(f"seed must be an integer, got {seed!r}.")
     sampling = Sampling(temperature, top_k, top_p)
     cache_dtype = None if cache_dtype is None else resolve_cache_dtype(cache_dtype).name

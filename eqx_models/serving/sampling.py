@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from ..config import is_integer
 from ..generation import greedy_tokens
 from .structured import StructuredOutput
 
@@ -33,11 +34,6 @@ class SamplingParamError(ValueError):
         self.field = field
 
 
-def _is_integer(value) -> bool:
-    # bool is an int in Python, but `top_k=True` is a mistake, not 1.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
 def _shown(value) -> str:
     """`repr(value)`, cut short: a message must not carry a 400-digit number whole."""
     try:
@@ -48,7 +44,7 @@ def _shown(value) -> str:
 
 
 def _check_integer(field: str, value, low: int, high: int | None = None, note: str = "") -> None:
-    if _is_integer(value) and value >= low and (high is None or value <= high):
+    if is_integer(value) and value >= low and (high is None or value <= high):
         return
     allowed = f"from {low} to {high}" if high is not None else f"of at least {low}"
     raise SamplingParamError(field, f"'{field}' must be an integer {allowed}{note}, got {_shown(value)}.")
@@ -108,13 +104,13 @@ class SamplingParams:
         _check_number("temperature", self.temperature, 0, MAX_TEMPERATURE, note=" (0 is greedy)")
         _check_number("top_p", self.top_p, 0, 1, above_low=True)
         _check_integer("top_k", self.top_k, -1, MAX_TOP_K, " (-1 or 0: all tokens)")
-        if self.seed is not None and not _is_integer(self.seed):
+        if self.seed is not None and not is_integer(self.seed):
             raise SamplingParamError("seed", f"'seed' must be an integer, got {_shown(self.seed)}.")
         if self.logprobs is not None:
             _check_integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         if not all(isinstance(stop, str) and stop for stop in self.stop):
             raise SamplingParamError("stop", f"'stop' strings must not be empty, got {list(self.stop)!r}.")
-        if not all(_is_integer(token) for token in self.stop_token_ids):
+        if not all(is_integer(token) for token in self.stop_token_ids):
             raise SamplingParamError(
                 "stop_token_ids", f"'stop_token_ids' must be integers, got {list(self.stop_token_ids)!r}.")
 
