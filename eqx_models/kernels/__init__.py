@@ -193,8 +193,10 @@ def _register(name: str, path: Path) -> None:
 
 
 def _start(names: Sequence[str]) -> None:
-    """Starts loading the units `names` not started yet, one compiler per core;
-    says so on stderr where any must be compiled (a first use on this machine)."""
+    """Starts building the units `names` not started yet (at once where their
+    library is cached), one compiler per core; says so on stderr where any must
+    be compiled (a first use on this machine). A process that exits meanwhile
+    waits for the compilers it started."""
     with _builds_lock:
         fresh = [name for name in dict.fromkeys(names) if name not in _builds]
         compiling = [name for name in fresh if not _library_path(name, _compiler()).exists()]
