@@ -173,8 +173,35 @@ def _raise_exception(message: str):
     raise jinja2.exceptions.TemplateError(message)
 
 
+# The most items a chat template may make by repeating a string or list (`'a' * n`),
+# and the largest power it may raise an integer to: beyond them a single operation
+# could take all memory (or hours) before a render's time limit is looked at.
+TEMPLATE_MAX_REPEAT = 10**7
+TEMPLATE_MAX_EXPONENT = 10**4
+
+
+class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """Jinja's immutable sandbox, with `*` and `**` held to the limits above."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        if operator == "*":
+            for items, times in ((left, right), (right, left)):
+                if isinstance(items, (str, list, tuple)) and isinstance(times, int) and \
+                        len(items) * times > TEMPLATE_MAX_REPEAT:
+                    raise jinja2.sandbox.SecurityError(
+                        f"the chat template repeats a {type(items).__name__} of {len(items)} items {times} times, "
+                        f"more than the {TEMPLATE_MAX_REPEAT} items a template may make at once")
+        if operator == "**" and isinstance(left, int) and abs(left) > 1 and isinstance(right, (int, float)) \
+                and abs(right) > TEMPLATE_MAX_EXPONENT:
+            raise jinja2.sandbox.SecurityError(
+                f"the chat template raises {left} to the power {right}, beyond the {TEMPLATE_MAX_EXPONENT} allowed")
+        return super().call_binop(context, operator, left, right)
+
+
 def _compile_template(source: str) -> jinja2.Template:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
     return env.from_string(source)
