@@ -1,5 +1,6 @@
 """Tokenizers from `tokenizer.json`, with EOS ids and chat templates."""
 
+import functools
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -200,6 +201,7 @@ class _TemplateEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return super().call_binop(context, operator, left, right)
 
 
+@functools.lru_cache(maxsize=16)  # a server renders the same template for every chat request
 def _compile_template(source: str) -> jinja2.Template:
     env = _TemplateEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception

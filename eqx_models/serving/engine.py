@@ -230,6 +230,8 @@ class Engine:
         self._incidents = itertools.count()  # model calls of several requests that failed
         self._failed: list[_Sequence] = []  # in this step
         self._grammars: GrammarCompiler | None = None  # made on the first structured request
+        self._grammars_refused: str | None = None  # why this vocabulary cannot take grammars, once known
+        self._grammars_lock = threading.Lock()  # requests come from the server's threads and the engine's
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         params, static = eqx.partition(model, eqx.is_array)
@@ -307,8 +309,16 @@ class Engine:
                          reuse_prefix=not prompt_logprobs)
 
     def _matcher(self, structured: StructuredOutput) -> Matcher:
-        if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+        # The compiler is made once (seconds for a large vocabulary), and so is a
+        # refusal of the vocabulary: later requests are refused without the work.
+        with self._grammars_lock:
+            if self._grammars is None and self._grammars_refused is None:
+                try:
+                    self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, self.eos_token_ids)
+                except ValueError as error:
+                    self._grammars_refused = str(error)
+        if self._grammars_refused is not None:
+            raise ValueError(self._grammars_refused)
         return self._grammars.matcher(structured)
 
     def check_structured(self, structured: StructuredOutput) -> None:
@@ -577,6 +587,10 @@ class Engine:
             self._call_failed(rows, error)
             return None
         self.pools = pools
+        if len(rows) == 1 and rows[0].suspect is not None:
+            # A suspect that ran alone without failing is not the one at fault: it
+            # batches again (else a fault that needs company kept every suspect alone).
+            rows[0].suspect = None
         return out
 
     def _fill_masks(self, rows: list[_Sequence], masked: list[int], inputs: dict[str, np.ndarray]) -> None:

@@ -18,6 +18,7 @@ request uses it.
 """
 
 import dataclasses
+import functools
 import json
 from typing import Any
 
@@ -160,10 +161,15 @@ class _Spelling:
         self.tokens = [SPECIAL_MARKER + text if text and vocabulary.is_special_token(token) else text
                        for token, text in enumerate(spelled)]
         ordinary = [added for added in spec["added_tokens"] if not vocabulary.is_special_token(added["id"])]
-        self._text = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": ordinary}))
+        spelling = tokenizers.Tokenizer.from_str(json.dumps({**spec, "added_tokens": ordinary}))
+        # Called from llguidance's mask threads, holding the GIL, whenever a grammar
+        # forces text (most steps inside a JSON object's keys): the same few texts
+        # recur, so each is tokenized once.
+        self._encode = functools.lru_cache(maxsize=4096)(
+            lambda text: tuple(spelling.encode(text, add_special_tokens=False).ids))
 
     def __call__(self, text: str) -> list[int]:
-        return self._text.encode(text, add_special_tokens=False).ids
+        return list(self._encode(text))
 
 
 def _spelling_spec(spec: dict) -> dict:
