@@ -209,3 +209,17 @@ def test_models_table_and_readme_row_are_the_registrys():
     assert models_sentence() in home_row
     pages = {p.stem for p in (DOCS / "models").glob("*.md")} - {"index"}
     assert pages == {name for name, _ in families()}, "one page per family, docs/models/<module>.md"
+
+
+def test_a_newcomer_finds_the_install_lines_for_serving_and_accelerators():
+    """The README's first block installed nothing for `serve` and did not say so;
+    no page named the TPU or GPU; troubleshooting named `huggingface-cli`, which
+    current huggingface_hub no longer installs."""
+    readme = (REPO / "README.md").read_text()
+    first_screen = readme[: readme.index("**Run the tests**")]
+    assert 'pip install -e ".[serve]"' in first_screen and "docs/accelerators.md" in first_screen
+    accelerators = (DOCS / "accelerators.md").read_text()
+    assert '"jax[tpu]"' in accelerators and '"jax[cuda13]"' in accelerators and "bfloat16" in accelerators
+    assert "accelerators.md" in (REPO / "mkdocs.yml").read_text()
+    for page in [REPO / "README.md", *PAGES]:
+        assert "huggingface-cli" not in page.read_text(), page
