@@ -548,7 +548,7 @@ def decoder_config_to_hf(config: DecoderConfig) -> dict[str, Any]:
 POSITIVE_INT_FIELDS = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "max_position_embeddings", "original_max_position_embeddings",
-    "sliding_window", "sliding_window_pattern", "_sliding_window_pattern", "moe_intermediate_size",
+    "sliding_window", "moe_intermediate_size",
     "num_local_experts", "n_routed_experts", "decoder_sparse_step", "kv_lora_rank", "q_lora_rank",
     "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "n_group", "topk_group", "full_attention_interval",
     "no_rope_layer_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -557,6 +557,9 @@ POSITIVE_INT_FIELDS = (
 COUNT_FIELDS = (  # integers >= 0: 0 means none
     "num_experts", "num_experts_per_tok", "n_shared_experts", "first_k_dense_replace",
     "shared_expert_intermediate_size",
+    # 0 where there is no sliding window (transformers writes it so for EXAONE 4); at
+    # least 1 where there is one (see `validate_hf_config`).
+    "sliding_window_pattern", "_sliding_window_pattern",
 )
 TOKEN_ID_FIELDS = ("bos_token_id", "pad_token_id")  # an integer (eos_token_id: one or a list)
 POSITIVE_NUMBER_FIELDS = (
@@ -600,6 +603,9 @@ def validate_hf_config(hf: Mapping[str, Any]) -> None:
         _require(key, value, is_positive_integer(value), POSITIVE_INTEGER)
     for key, value in present(COUNT_FIELDS):
         _require(key, value, is_integer(value) and value >= 0, "an integer >= 0")
+    if hf.get("sliding_window") is not None:  # one layer in every `pattern` is global: 0 would divide by zero
+        for key, value in present(("sliding_window_pattern", "_sliding_window_pattern")):
+            _require(key, value, value >= 1, f"an integer >= 1 with a sliding_window ({hf['sliding_window']})")
     for key, value in present(TOKEN_ID_FIELDS):
         _require(key, value, is_integer(value), "an integer token id")
     for key, value in present(POSITIVE_NUMBER_FIELDS):

@@ -323,6 +323,9 @@ CONFIG_CASES = {
     ),
     "an eos id as a string": (dict(eos_token_id="2"), "eos_token_id is '2'"),
     "layer_types of the wrong length": (dict(layer_types=["full_attention"]), "layer_types lists 1 layers"),
+    "a zero window pattern with a sliding window": (
+        dict(sliding_window=4, sliding_window_pattern=0), "sliding_window_pattern is 0 .*>= 1 with a sliding_window"
+    ),
 }
 
 
@@ -333,6 +336,14 @@ def test_config_values_of_the_wrong_type_or_range_are_refused(llama, tmp_path, c
     edit_config(folder, **changes)
     with pytest.raises(ConfigError, match=message):
         eqx_models.from_pretrained(folder)
+
+
+def test_a_zero_window_pattern_without_a_window_passes():
+    """What transformers writes for EXAONE 4 without a sliding window (its
+    `sliding_window_pattern` becomes 0): no layer slides, nothing to refuse."""
+    from eqx_models.config import validate_hf_config
+
+    validate_hf_config({"model_type": "exaone4", "sliding_window": None, "sliding_window_pattern": 0})
 
 
 def test_more_layers_than_the_checkpoint_has_tensors_is_refused_before_building_them(llama, tmp_path):
