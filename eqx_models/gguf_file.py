@@ -27,6 +27,7 @@ import jax
 import ml_dtypes
 import numpy as np
 
+from .checkpoint import checkpoint_name, to_jax
 from .config import (
     POSITIVE_INTEGER,
     POSITIVE_NUMBER,
@@ -610,15 +611,14 @@ def load_leaves(file: GGUFFile, skeleton, packable: dict[tuple, Any], dtype: np.
     leaves' entries in the first list are None. Tensors the file has and the model
     does not use, or the other way round, raise `CheckpointError` (all listed).
     """
-    from .hub import _checkpoint_name
-
     leaves = jax.tree_util.tree_flatten_with_path(skeleton)[0]
     problems, consumed, plan = [], set(), []
     for path, leaf in leaves:
-        names = gguf_names(_checkpoint_name(path), leaf.shape)
-        stacked = leaf.shape[:1] if len(names or ()) > 1 or _checkpoint_name(path).startswith(LAYER_PREFIX) else ()
+        ours = checkpoint_name(path)
+        names = gguf_names(ours, leaf.shape)
+        stacked = leaf.shape[:1] if len(names or ()) > 1 or ours.startswith(LAYER_PREFIX) else ()
         expected = leaf.shape[len(stacked):]
-        for name in names or ["(no GGUF name for " + _checkpoint_name(path) + ")"]:
+        for name in names or [f"(no GGUF name for {ours})"]:
             if name not in file.tensors:
                 problems.append(f"missing tensor {name} (expected shape {tuple(expected)})")
             elif file.shape(name) != tuple(expected):
@@ -699,10 +699,8 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     packable = {(*path, jax.tree_util.GetAttrKey("weight")): axes for path, _, axes in quantizable_layers(skeleton)}
     arrays, packed = load_leaves(file, skeleton, packable, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
-    from .hub import _to_jax
-
     model = jax.tree_util.tree_unflatten(treedef, [
-        jax.numpy.zeros((), leaf.dtype) if array is None else _to_jax(array)
+        jax.numpy.zeros((), leaf.dtype) if array is None else to_jax(array)
         for (_, leaf), array in zip(leaves, arrays)
     ])
     # Q8_0 weights go into the CPU kernel's tiles as they load (see `quantization.with_layout`).
@@ -711,8 +709,8 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
         layout = "tiles" if tiles and tiles_fit(bits, "int8", integers.shape) else "rows"
         if layout == "tiles":
             integers, scales = host_tiles(integers if integers.flags.writeable else integers.copy(), scales)
-        weight = QuantizedWeight(_to_jax(integers), _to_jax(scales), bits, 32, packable[leaf_path], dtype,
-                                 biases=None if biases is None else _to_jax(biases), layout=layout)
+        weight = QuantizedWeight(to_jax(integers), to_jax(scales), bits, 32, packable[leaf_path], dtype,
+                                 biases=None if biases is None else to_jax(biases), layout=layout)
         model = eqx.tree_at(lambda m, leaf_path=leaf_path: _at(m, leaf_path), model, weight)
     if quantize is not None:
         if packed:

@@ -11,6 +11,8 @@ Two kinds of vocabulary are read, as `tokenizer.ggml.model` names them:
 Control tokens become special added tokens, user-defined ones plain added tokens.
 """
 
+from typing import NamedTuple
+
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
@@ -36,16 +38,41 @@ BPE_PRE_TOKENIZERS = {
 WORD_MARK = "\u2581"
 
 
-def gguf_tokenizer(file: GGUFFile):
-    """The `eqx_models.Tokenizer` of a GGUF file (vocabulary, merges, special tokens,
+class GGUFTokenizer(NamedTuple):
+    """A GGUF file's tokenizer: the `tokenizers` backend and the settings that
+    `eqx_models.Tokenizer` keeps beside it (`load_tokenizer` wraps it in one).
+
+    Attributes:
+        backend: the rebuilt `tokenizers.Tokenizer`.
+        eos_token_ids: the ids that end generation (EOS, and an end-of-turn token
+            if the file names one).
+        bos_token, eos_token, pad_token: the tokens' texts, or None.
+        chat_template: the Jinja chat template, or None.
+    """
+
+    backend: Backend
+    eos_token_ids: tuple[int, ...]
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    chat_template: str | None
+
+
+def gguf_tokenizer(file: GGUFFile) -> GGUFTokenizer:
+    """The tokenizer a GGUF file carries (vocabulary, merges, special tokens,
     BOS/EOS, chat template from its metadata).
+
+    Args:
+        file: the open GGUF file.
+
+    Returns:
+        The backend and its settings; `eqx_models.load_tokenizer` makes a
+        `Tokenizer` of them.
 
     Raises:
         ValueError: a tokenizer model or pre-tokenizer this reader does not rebuild
             (it names it; load the original repo's `tokenizer.json` instead).
     """
-    from .tokenizer import Tokenizer
-
     kind = file.value("tokenizer.ggml.model")
     tokens = file.value("tokenizer.ggml.tokens")
     if tokens is None:
@@ -87,7 +114,7 @@ def gguf_tokenizer(file: GGUFFile):
             pair=" ".join([*starts, "$A", *ends, *starts, "$B", *ends]),
             special_tokens=list(ids.items()),
         )
-    return Tokenizer(
+    return GGUFTokenizer(
         backend,
         eos_token_ids=read_generation_eos(file),
         bos_token=bos,

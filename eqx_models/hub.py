@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from .checkpoint import EXPERTS_COMPONENT, QUANTIZED_LEAVES, checkpoint_name, hf_tensor_names, leaf_name, to_jax
 from .config import check_layer_count, load_json
 from .gguf_file import find_gguf, load_gguf, split_parts
 from .models import architecture_for
@@ -37,10 +38,6 @@ TOKENIZER_FILES = [
     "chat_template.jinja",
     "chat_template.json",
 ]
-STACKED_PREFIX = "model.layers."
-# Inside a layer, leaves under this component carry an experts axis after the layers
-# axis: HF names them one tensor per expert, `...experts.{e}...`.
-EXPERTS_COMPONENT = "experts."
 # Tensors some checkpoints carry that are derived, not learned.
 IGNORED_TENSOR_SUFFIXES = ("rotary_emb.inv_freq",)
 INDEX_FILE = "model.safetensors.index.json"
@@ -143,70 +140,6 @@ def _shard_path(folder: Path, index: Path, name: str) -> Path:
             "files are plain names inside it (model-00001-of-00002.safetensors). Re-download the index."
         )
     return folder / relative
-
-
-def _to_jax(array: np.ndarray) -> jax.Array:
-    """The array as a JAX array on the default device, without a copy on the CPU
-    backend when possible.
-
-    Committed to that device whichever way it is made, as the outputs of jitted
-    functions are: a train step that returns the model would otherwise see
-    uncommitted weights once and committed ones after, and compile twice.
-    """
-    if jax.default_backend() == "cpu":
-        try:
-            return jax.device_put(jax.dlpack.from_dlpack(array), jax.devices()[0])
-        except (TypeError, BufferError, RuntimeError, ValueError):  # e.g. bfloat16 via dlpack
-            pass
-    return jax.device_put(array, jax.devices()[0])
-
-
-def _leaf_names(path) -> str:
-    return ".".join(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path)
-
-
-# A quantized weight's arrays in a checkpoint: `<module>.weight` the integers,
-# `<module>.scales` one scale per group, `<module>.biases` affine int4's offset per
-# group (the layout of docs/quantization.md).
-QUANTIZED_LEAVES = {".weight.packed": ".weight", ".weight.scales": ".scales", ".weight.biases": ".biases"}
-
-
-def _checkpoint_name(path) -> str:
-    """A leaf's name as a checkpoint spells it (before the architecture's renames)."""
-    name = _leaf_names(path)
-    for ours, theirs in QUANTIZED_LEAVES.items():
-        if name.endswith(ours):
-            return name[: -len(ours)] + theirs
-    return name
-
-
-def _hf_names(
-    name: str, leaf_shape: tuple[int, ...], rename, substacks: dict[str, tuple[int, ...]], fused_experts: bool = False
-) -> tuple[list[str], tuple[int, ...]]:
-    """HF tensor names of one of our leaves, and the leading axes they stack along.
-
-    A leaf of the layer stack holds one tensor per layer (`model.layers.{i}....`),
-    an experts leaf one per layer and expert (`....experts.{e}....`), or with
-    `fused_experts` one per layer holding every expert; the names come in C order
-    of those axes. A leaf under a `substacks` path (`mlp.dense.`) holds only the
-    layers listed for it, and that path's last component is not part of the HF
-    name. `rename` maps our names to the architecture's.
-    """
-    if not name.startswith(STACKED_PREFIX):
-        return [rename(name)], ()
-    rest = name[len(STACKED_PREFIX):]
-    layers = range(leaf_shape[0])
-    for path, numbers in substacks.items():
-        if rest.startswith(path):
-            layers = numbers
-            rest = path.rstrip(".").rsplit(".", 1)[0] + "." + rest[len(path):]
-    if fused_experts or f".{EXPERTS_COMPONENT}" not in f".{rest}":
-        return [rename(f"{STACKED_PREFIX}{i}.{rest}") for i in layers], leaf_shape[:1]
-    before, after = rest.split(EXPERTS_COMPONENT, 1)
-    names = [
-        rename(f"{STACKED_PREFIX}{i}.{before}{EXPERTS_COMPONENT}{e}.{after}") for i in layers for e in range(leaf_shape[1])
-    ]
-    return names, leaf_shape[:2]
 
 
 def _dtype_fits(found: np.dtype, parameter: np.dtype) -> bool:
@@ -332,7 +265,7 @@ def from_pretrained(
                                                                                                        "float32")))
     quantized_skeleton = None
     if spec is not None:
-        embed_names = _hf_names("model.embed_tokens.weight", (), arch.tensor_name, {})[0]
+        embed_names = hf_tensor_names("model.embed_tokens.weight", (), arch.tensor_name, {})[0]
         float_dtype = target_dtype or np.dtype(source.dtype(embed_names[0]))
         quantized_skeleton = _quantized_skeleton(skeleton, spec, float_dtype)
     # int8 weights go into the CPU kernel's tiles as they load (see
@@ -350,8 +283,8 @@ def from_pretrained(
     targets = [None] * len(leaves) if placement is None else jax.tree.leaves(shardings(skeleton, placement))
     quantized_paths = set() if quantized_skeleton is None else _quantized_weight_paths(quantized_skeleton)
     for (path, leaf), target in zip(leaves, targets):
-        ours = _checkpoint_name(path)
-        names, stacked = _hf_names(ours, leaf.shape, arch.tensor_name, skeleton.model.substack_layers(),
+        ours = checkpoint_name(path)
+        names, stacked = hf_tensor_names(ours, leaf.shape, arch.tensor_name, skeleton.model.substack_layers(),
                                    arch.fused_experts)
         expected = leaf.shape[len(stacked):]
         transposed = _transposed_in_checkpoint(ours, expected, arch.fused_experts)
@@ -365,7 +298,7 @@ def from_pretrained(
                 problems.append(f"tensor {name} has dtype {source.dtype(name)}, expected {_dtype_wanted(leaf.dtype)}")
         consumed.update(names)
         # Scales and integers keep their dtype; floats take `dtype`.
-        leaf_dtype = None if _leaf_names(path).endswith(tuple(QUANTIZED_LEAVES)) else target_dtype
+        leaf_dtype = None if leaf_name(path).endswith(tuple(QUANTIZED_LEAVES)) else target_dtype
         quantized = spec if tuple(path) in quantized_paths else None
         # In tiles: a weight quantized as it loads ("weight"), or a saved weight's
         # integers ("packed") or scales ("scales").
@@ -478,7 +411,7 @@ def _load_quantized_leaf(
             quantize_matrix(i, lambda rows, into: source.read_into(name, into, rows))
         if tiles:
             outputs[:2] = host_tiles(packed, outputs[1])
-        return tuple(map(_to_jax, outputs))
+        return tuple(map(to_jax, outputs))
     whole = np.empty(tensor_shape, np.float32)
     for i, name in enumerate(names):
         source.read_into(name, whole)
@@ -488,7 +421,7 @@ def _load_quantized_leaf(
             quantize_matrix(i * len(matrices) + j, lambda rows, into: np.copyto(into, matrix[rows.start : rows.stop]))
     if tiles:
         outputs[:2] = host_tiles(packed, outputs[1])
-    return tuple(map(_to_jax, outputs))
+    return tuple(map(to_jax, outputs))
 
 
 # A saved quantized weight's arrays as the tiles layout holds them.
@@ -515,18 +448,18 @@ def _load_leaf(
         for i, name in enumerate(names):
             source.read_into(name, staging)
             parts[i] = np.swapaxes(staging, -1, -2)
-        return _to_jax(out) if sharding is None else jax.device_put(out, sharding)
+        return to_jax(out) if sharding is None else jax.device_put(out, sharding)
     if sharding is not None:
         return _load_sharded_leaf(source, names, stacked, shape, dtype, sharding)
     if map_weights and dtype == source.dtype(names[0]) and jax.default_backend() == "cpu":
         mapped = source.map_stack(names)
         if mapped is not None:
-            return _to_jax(mapped.view(dtype).reshape(*stacked, *shape))
+            return to_jax(mapped.view(dtype).reshape(*stacked, *shape))
     out = aligned_empty((*stacked, *shape), dtype)
     parts = out.reshape(-1, *shape)  # a view: C order, as the names come
     for i, name in enumerate(names):
         source.read_into(name, parts[i])
-    return _to_jax(out)
+    return to_jax(out)
 
 
 def _load_sharded_leaf(source, names, stacked, shape, dtype, sharding) -> jax.Array:
@@ -565,8 +498,8 @@ def _hf_tensors(model: CausalLM, arch) -> list[tuple[str, jax.Array, tuple[int, 
     out = []
     substacks = model.model.substack_layers()
     for path, leaf in jax.tree_util.tree_flatten_with_path(eqx.filter(model, eqx.is_array))[0]:
-        ours = _checkpoint_name(path)
-        names, stacked = _hf_names(ours, leaf.shape, arch.tensor_name, substacks, arch.fused_experts)
+        ours = checkpoint_name(path)
+        names, stacked = hf_tensor_names(ours, leaf.shape, arch.tensor_name, substacks, arch.fused_experts)
         transposed = _transposed_in_checkpoint(ours, leaf.shape[len(stacked):], arch.fused_experts)
         out += [(hf, leaf, tuple(map(int, np.unravel_index(i, stacked))), transposed) for i, hf in enumerate(names)]
     return out
@@ -606,7 +539,7 @@ def save_pretrained(
     """
     if tokenizer is not None and not callable(getattr(tokenizer, "save_pretrained", None)):
         raise TypeError(f"tokenizer= takes an eqx_models.Tokenizer (load_tokenizer), got {type(tokenizer).__name__}.")
-    if any("lora_" in _leaf_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]):
+    if any("lora_" in leaf_name(path) for path, _ in jax.tree_util.tree_flatten_with_path(model)[0]):
         raise ValueError(
             "The model carries LoRA adapters, which have no place in a transformers checkpoint: save "
             "eqx_models.lora.merge_lora(model), or the adapters alone with eqx_models.lora.save_adapters."

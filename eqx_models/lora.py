@@ -22,7 +22,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 from safetensors.numpy import load_file, save_file
 
-from .hub import _hf_names, _leaf_names
+from .checkpoint import hf_tensor_names, leaf_name
 from .kernels import index_layer
 from .models import architecture_for
 from .nn.linear import Linear, project
@@ -77,7 +77,7 @@ def _linear_paths(model) -> list[tuple[str, tuple]]:
     out = []
     for path, node in found:
         if isinstance(node, Linear):
-            name = _leaf_names(path)
+            name = leaf_name(path)
             if ".experts." not in f".{name}.":
                 out.append((name, path))
     return out
@@ -152,7 +152,7 @@ def lora_filter(model):
 def _adapters(model) -> list[tuple[str, tuple, LoraLinear]]:
     """`(dotted path, tree path, adapter)` of every `LoraLinear` in `model`."""
     found = jax.tree_util.tree_flatten_with_path(model, is_leaf=lambda n: isinstance(n, LoraLinear))[0]
-    return [(_leaf_names(path), path, node) for path, node in found if isinstance(node, LoraLinear)]
+    return [(leaf_name(path), path, node) for path, node in found if isinstance(node, LoraLinear)]
 
 
 def _replace(model, adapters, replacements):
@@ -186,7 +186,7 @@ def merge_lora(model):
 
 def _peft_names(model, name: str, leaf: Array, part: str) -> list[str]:
     rename = architecture_for({"model_type": model.config.model_type}).tensor_name
-    stacked_names, _ = _hf_names(f"{name}.{part}", leaf.shape, rename, model.model.substack_layers())
+    stacked_names, _ = hf_tensor_names(f"{name}.{part}", leaf.shape, rename, model.model.substack_layers())
     return [f"{PEFT_PREFIX}{n}.weight" for n in stacked_names]
 
 

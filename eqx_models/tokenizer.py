@@ -13,6 +13,7 @@ import tokenizers
 
 from .config import eos_ids, load_json
 from .gguf_file import GGUFFile, find_gguf
+from .gguf_tokenizer import gguf_tokenizer
 from .hub import TOKENIZER_FILES, resolve_model_dir
 from .safetensors_file import replacing
 
@@ -238,9 +239,15 @@ def load_tokenizer(name_or_path: str | os.PathLike, *, revision: str | None = No
     """
     gguf_path = find_gguf(name_or_path)
     if gguf_path is not None:
-        from .gguf_tokenizer import gguf_tokenizer
-
-        return gguf_tokenizer(GGUFFile(gguf_path))
+        rebuilt = gguf_tokenizer(GGUFFile(gguf_path))
+        return Tokenizer(
+            rebuilt.backend,
+            eos_token_ids=rebuilt.eos_token_ids,
+            bos_token=rebuilt.bos_token,
+            eos_token=rebuilt.eos_token,
+            pad_token=rebuilt.pad_token,
+            chat_template=rebuilt.chat_template,
+        )
     folder = resolve_model_dir(name_or_path, revision=revision, allow_patterns=TOKENIZER_FILES)
     path = folder / "tokenizer.json"
     if not path.exists():

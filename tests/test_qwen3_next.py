@@ -17,7 +17,7 @@ import torch
 
 import eqx_models
 from conftest import make_checkpoint, tiny_config
-from eqx_models.hub import _hf_names, _leaf_names
+from eqx_models.checkpoint import hf_tensor_names, leaf_name
 from eqx_models.models import architecture_for
 from eqx_models.models.qwen3_next import causal_conv
 from zoo import tiny_overrides
@@ -38,7 +38,7 @@ def _our_tensors(model) -> dict[str, np.ndarray]:
     substacks = model.model.substack_layers()
     out = {}
     for path, leaf in jax.tree_util.tree_leaves_with_path(eqx.filter(model, eqx.is_array)):
-        names, stacked = _hf_names(_leaf_names(path), leaf.shape, arch.tensor_name, substacks)
+        names, stacked = hf_tensor_names(leaf_name(path), leaf.shape, arch.tensor_name, substacks)
         parts = np.asarray(leaf).reshape(len(names), *leaf.shape[len(stacked):])
         out.update(zip(names, parts))
     return out

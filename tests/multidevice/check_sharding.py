@@ -14,10 +14,11 @@ from conftest import make_checkpoint, tiny_config
 from test_published_configs import LLAMA_3_1_70B, QWEN3_30B_A3B
 from zoo import tiny_overrides
 from eqx_models import from_pretrained, generate, supported_model_types
+from eqx_models.checkpoint import leaf_name
 from eqx_models.generation import trace_counts
-from eqx_models.hub import _leaf_names
 from eqx_models.models import architecture_for
-from eqx_models.sharding import logical_axes, memory_plan
+from eqx_models.memory import memory_plan
+from eqx_models.sharding import logical_axes
 
 DENSE = dict(
     vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=8, num_key_value_heads=4,
@@ -145,7 +146,7 @@ def test_sharded_run_equals_single_device(references, model_name, preset):
     axes = jax.tree.leaves(logical_axes(params), is_leaf=lambda x: isinstance(x, tuple) and all(n is None or isinstance(n, str) for n in x))
     checked = set()
     for (path, leaf), names in zip(leaves, axes):
-        name = _leaf_names(path)
+        name = leaf_name(path)
         spec = leaf.sharding.spec
         for suffix, wanted in weight_specs.items():
             if name.endswith(suffix) and not (model_name == "qwen3_two_kv_heads" and "k_proj" in suffix):
@@ -157,7 +158,7 @@ def test_sharded_run_equals_single_device(references, model_name, preset):
         for shard in leaf.addressable_shards:
             assert shard.data.shape == block, name
         assert len(leaf.addressable_shards) == 8
-    assert checked == {s for s in weight_specs if any(_leaf_names(p).endswith(s) for p, _ in leaves)} - (
+    assert checked == {s for s in weight_specs if any(leaf_name(p).endswith(s) for p, _ in leaves)} - (
         {"self_attn.k_proj.weight"} if model_name == "qwen3_two_kv_heads" else set()
     )
     if model_name == "qwen3_two_kv_heads":
@@ -170,9 +171,9 @@ def test_sharded_run_equals_single_device(references, model_name, preset):
     assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
     assert np.max(np.abs(got["stepwise"] - expected["stepwise"])) < 1e-4
     np.testing.assert_array_equal(got["tokens"], expected["tokens"])
-    for leaf_name in ("keys", "values"):
-        leaf = getattr(got["cache"], leaf_name)
-        assert leaf.sharding.spec == cache_spec, f"cache {leaf_name}: {leaf.sharding.spec}"
+    for part in ("keys", "values"):
+        leaf = getattr(got["cache"], part)
+        assert leaf.sharding.spec == cache_spec, f"cache {part}: {leaf.sharding.spec}"
         block = NamedSharding(mesh, cache_spec).shard_shape(leaf.shape)
         assert all(shard.data.shape == block for shard in leaf.addressable_shards)
 
