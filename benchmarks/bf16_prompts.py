@@ -50,7 +50,7 @@ def products() -> list[dict]:
     import numpy as np
     import torch
 
-    from eqx_models.kernels import stacked_matvecs
+    from eqx_models.ops import stacked_matvecs
 
     torch.set_num_threads(2)
     rng = np.random.default_rng(0)
@@ -101,7 +101,7 @@ def prefill(checkpoint: str, lengths: list[int]) -> dict:
 
     import eqx_models
     from eqx_models.generation import Sampling, _prefill
-    from eqx_models.kernels import bf16_tiles_available
+    from eqx_models.backends.cpu import bf16_tiles_available
 
     model = eqx_models.from_pretrained(checkpoint, dtype=jnp.bfloat16)
     out = {"tiles": bf16_tiles_available()}
@@ -125,7 +125,7 @@ def main():
         print(json.dumps(prefill(str(args.checkpoint), args.lengths)))
         return
 
-    from eqx_models.kernels import bf16_tiles_available
+    from eqx_models.backends.cpu import bf16_tiles_available
 
     if not bf16_tiles_available():
         sys.exit("This CPU (or this process) has no AMX bfloat16 tiles: nothing to compare.")

@@ -53,7 +53,8 @@ def bandwidth_probes(nbytes: int = 1 << 30) -> dict[str, object]:
     flatter decode). The values are random: pages that all hold the same bytes may
     be merged by the host (seen here: a buffer of ones read at 68-83 GB/s, random
     values at 40-50)."""
-    from eqx_models.kernels import kernels_available, stacked_matvec
+    from eqx_models.backends.cpu import kernels_available
+    from eqx_models.ops import stacked_matvec
 
     data = torch.rand(nbytes // 4, generator=torch.Generator().manual_seed(0))
     matrix, vector = data.view(4096, -1), torch.ones(nbytes // 4 // 4096)

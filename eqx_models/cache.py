@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .config import DecoderConfig
-from .kernels import decode_attention, index_layer, write_slots
+from .ops import decode_attention, index_layer, write_slots
 
 # The dtypes a cache stores its keys and values in. "int8" keeps one float32 scale
 # per token and head beside the integers (about half of bfloat16's bytes at
@@ -134,7 +134,7 @@ class LayerKV(eqx.Module):
         scale: float,
         sinks: Float[Array, "kv_heads groups"] | None = None,
     ) -> Float[Array, "batch kv_heads groups value_dim"]:
-        """One new token per row against this layer's slots (see `kernels.decode_attention`)."""
+        """One new token per row against this layer's slots (see `eqx_models.ops.decode_attention`)."""
         values, value_scales = (
             (self.values, self.value_scales) if self.values.shape[-1] else (self.keys, self.key_scales)
         )
@@ -329,7 +329,7 @@ class KVCache(eqx.Module):
     ) -> "KVCache":
         """Writes one step's keys/values after the last written slot.
 
-        One write per buffer (`eqx_models.kernels.write_slots`): under a jit that
+        One write per buffer (`eqx_models.ops.write_slots`): under a jit that
         donates the cache, the update happens in place. Writing past `max_length`
         raises (XLA would otherwise clamp the index and overwrite the last slots
         silently), except in a ring, which keeps the newest `max_length` slots.

@@ -111,7 +111,8 @@ def _plan(args: argparse.Namespace) -> int:
     from .config import load_json
     from .hub import resolve_model_dir
     from .models import architecture_for
-    from .sharding import memory_plan, parse_mesh_shape
+    from .memory import memory_plan
+    from .sharding import parse_mesh_shape
 
     folder = resolve_model_dir(args.model, revision=args.revision, allow_patterns=["config.json"])
     hf_config = load_json(folder / "config.json")

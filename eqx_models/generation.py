@@ -15,7 +15,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from .cache import KVCache, resolve_cache_dtype
 from .config import is_integer
-from .kernels import greedy_rows
+from .ops import greedy_rows
 from .nn.causal_lm import CausalLM
 
 MIN_PROMPT_BUCKET = 16
@@ -59,7 +59,7 @@ class Sampling:
 
 def greedy_tokens(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:
     """`jnp.argmax(logits, axis=-1)`: the first position of the largest value (of
-    the first NaN, if any), as int32 (`eqx_models.kernels.greedy_rows`)."""
+    the first NaN, if any), as int32 (`eqx_models.ops.greedy_rows`)."""
     return greedy_rows(logits)
 
 

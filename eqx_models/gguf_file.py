@@ -722,8 +722,8 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
 
 
 def _at(tree, path):
-    from .quantization import _child
+    from .quantized import tree_child
 
     for key in path:
-        tree = _child(tree, key)
+        tree = tree_child(tree, key)
     return tree

@@ -23,10 +23,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from safetensors.numpy import load_file, save_file
 
 from .checkpoint import hf_tensor_names, leaf_name
-from .kernels import index_layer
 from .models import architecture_for
-from .nn.linear import Linear, project
-from .quantization import QuantizedWeight, quantize_weight
+from .nn.linear import Linear
+from .ops import index_layer, project
+from .quantized import QuantizedWeight, quantize_weight
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

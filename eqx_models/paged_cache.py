@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .cache import StateView, _check_scales, quantize_rows, read_rows, resolve_cache_dtype, round_as_stored
-from .kernels import gather_pages, paged_decode_attention, write_pages
+from .ops import gather_pages, paged_decode_attention, write_pages
 
 
 class PagedLayerKV(eqx.Module):
@@ -56,7 +56,7 @@ class PagedLayerKV(eqx.Module):
         scale: float,
         sinks: Float[Array, "kv_heads groups"] | None = None,
     ) -> Float[Array, "batch kv_heads groups value_dim"]:
-        """One new token per row against this layer's pages (`kernels.paged_decode_attention`)."""
+        """One new token per row against this layer's pages (`eqx_models.ops.paged_decode_attention`)."""
         values, value_scales = (
             (self.values, self.value_scales) if self.values.shape[-1] else (self.keys, self.key_scales)
         )

@@ -212,7 +212,7 @@ def test_runtime_shape_checking_is_on(model):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_decode_step_reads_weights_and_cache_in_place(dtype):
-    from eqx_models.kernels import kernels_status
+    from eqx_models.backends.cpu import kernels_status
 
     assert kernels_status() == "ready", f"the CPU decode kernels did not build: {kernels_status()}"
     model = small_model(seed=5, num_hidden_layers=6, hidden_size=256, intermediate_size=1024, num_attention_heads=4, head_dim=64)

@@ -10,22 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from eqx_models.kernels import (
-    _attention_reference,
-    _paged_attention_reference,
-    _reference,
-    _write_pages_reference,
-    _write_reference,
-    decode_attention,
-    delta_rule_step,
-    gather_pages,
-    headwise_matvec,
-    kernels_status,
-    paged_decode_attention,
-    stacked_matvec,
-    stacked_matvecs,
-    write_pages,
-    write_slots,
+from eqx_models.backends import xla
+from eqx_models.backends.cpu import kernels_status
+from eqx_models.ops import (
+    decode_attention, delta_rule_step, gather_pages, headwise_matvec, paged_decode_attention, stacked_matvec,
+    stacked_matvecs, write_pages, write_slots,
 )
 
 
@@ -108,7 +97,7 @@ def test_bfloat16_tiles_are_used_where_the_cpu_has_amx():
     # A CPU with AMX whose tiles the kernels failed to claim would silently fall
     # back to XLA's float32 matmul for every bfloat16 prompt. (Linux grants the
     # tiles from 5.16 on; the environment variables turn them off.)
-    from eqx_models.kernels import bf16_tiles_available
+    from eqx_models.backends.cpu import bf16_tiles_available
 
     release = tuple(int(part) for part in platform.release().split(".")[:2] if part.isdigit())
     turned_off = os.environ.get("EQX_MODELS_AMX") == "0" or "EQX_MODELS_KERNELS_PORTABLE" in os.environ
@@ -139,8 +128,8 @@ def test_a_bfloat16_prompt_goes_through_the_tiles_with_the_same_logits(monkeypat
     import equinox as eqx
 
     import eqx_models
-    from eqx_models.kernels import MATVEC_TARGET, bf16_tiles_available
-    from eqx_models.nn import linear
+    from eqx_models.backends.cpu import MATVEC_TARGET, bf16_tiles_available
+    from eqx_models.backends import cpu
 
     config = eqx_models.DecoderConfig(model_type="qwen3", vocab_size=96, hidden_size=64, intermediate_size=128,
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -158,7 +147,7 @@ def test_a_bfloat16_prompt_goes_through_the_tiles_with_the_same_logits(monkeypat
 
     with_tiles = np.asarray(jax.jit(logits)(model), np.float32)
     assert (MATVEC_TARGET in jax.jit(logits).lower(model).as_text()) == bf16_tiles_available()
-    monkeypatch.setattr(linear, "bf16_tiles_available", lambda: False)
+    monkeypatch.setattr(cpu, "bf16_tiles_available", lambda: False)
     jax.clear_caches()  # inner jitted calls were traced with the tiles
     without = np.asarray(jax.jit(logits_by_xla)(model), np.float32)
     assert MATVEC_TARGET not in jax.jit(logits_by_xla).lower(model).as_text()
@@ -190,7 +179,7 @@ def test_bfloat16_rows_differentiate_under_strict_promotion():
 def test_kernels_build_without_amx():
     # The build retries with EQX_MODELS_NO_AMX where AMX does not compile or
     # assemble; that variant must build too.
-    from eqx_models.kernels import COMPILE_FLAGS, SOURCES, _compiler
+    from eqx_models.backends.cpu import COMPILE_FLAGS, SOURCES, _compiler
 
     source = next(path for path in SOURCES if path.name == "matvec.cc")
     flags = [f for f in COMPILE_FLAGS if f != "-shared"]
@@ -212,7 +201,7 @@ def test_stacked_matvec_keeps_leading_axes_and_differentiates():
     x = jnp.asarray(rng.standard_normal((2, 1, 5)), jnp.float32)
     assert stacked_matvec(x, stack, jnp.int32(1)).shape == (2, 1, 6)
     loss = lambda x, s: jnp.sum(stacked_matvec(x, s, jnp.int32(1)) ** 2)
-    reference = lambda x, s: jnp.sum(_reference(x, (s,), jnp.int32(1))[0] ** 2)
+    reference = lambda x, s: jnp.sum(xla.stacked_matvecs(x, (s,), jnp.int32(1))[0] ** 2)
     for got, want in zip(jax.grad(loss, (0, 1))(x, stack), jax.grad(reference, (0, 1))(x, stack)):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
@@ -271,7 +260,7 @@ def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_head
                              scale, sinks)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    reference = _attention_reference(*args, _sinks_or_none(sinks, kv_heads, groups), *NO_SCALES, scale=scale)
+    reference = xla.decode_attention(*args, _sinks_or_none(sinks, kv_heads, groups), *NO_SCALES, scale=scale)
     np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
 
 
@@ -306,7 +295,7 @@ def test_int8_decode_attention_equals_float64_attention_over_the_scaled_rows(
     got = jax.jit(decode_attention, static_argnums=8)(*args, scale, None, key_scales, value_scales)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    reference = _attention_reference(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
+    reference = xla.decode_attention(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
                                      scale=scale)
     np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
     # Values that are the keys' first channels share the keys' scales.
@@ -343,7 +332,7 @@ def test_paged_int8_decode_attention_reads_each_rows_pages_and_scales():
     args = (query, keys, values, jnp.int32(1), jnp.asarray(tables), valid, self_valid, new_key, new_value)
     got = jax.jit(paged_decode_attention, static_argnums=9)(*args, scale, None, key_scales, value_scales)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-    reference = _paged_attention_reference(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
+    reference = xla.paged_decode_attention(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
                                            scale=scale)
     np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
 
@@ -408,7 +397,7 @@ def test_write_slots_writes_only_the_new_slots(dtype, width):
     buffer = jnp.asarray(rng.standard_normal((2, 3, 2, 10, *width)), dtype)
     update = jnp.asarray(rng.standard_normal((2, 3, 2, 3, *width)), dtype)
     got = jax.jit(write_slots)(buffer, update, jnp.int32(6))
-    np.testing.assert_array_equal(np.asarray(_write_reference(buffer, update, jnp.int32(6), False)), np.asarray(got))
+    np.testing.assert_array_equal(np.asarray(xla.write_slots(buffer, update, jnp.int32(6), False)), np.asarray(got))
     want = np.asarray(buffer).copy()
     want[:, :, :, 6:9] = np.asarray(update)
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -427,7 +416,7 @@ def test_write_slots_wraps_around_a_ring(dtype, start, width):
     want[:, :, :, [(start + j) % 10 for j in range(4)]] = np.asarray(update)
     write = jax.jit(lambda b, u, s: write_slots(b, u, s, wrap=True))
     np.testing.assert_array_equal(np.asarray(write(buffer, update, jnp.int32(start))), want)
-    reference = jax.jit(lambda b, u, s: _write_reference(b, u, s, wrap=True))
+    reference = jax.jit(lambda b, u, s: xla.write_slots(b, u, s, wrap=True))
     np.testing.assert_array_equal(np.asarray(reference(buffer, update, jnp.int32(start))), want)
 
 
@@ -456,7 +445,7 @@ def test_paged_decode_attention_reads_each_rows_pages(dtype, page_size, pages_pe
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     no_sinks = _sinks_or_none(None, kv_heads, groups)
     np.testing.assert_allclose(
-        _paged_attention_reference(*args, no_sinks, *NO_SCALES, scale=head_dim**-0.5), want, atol=1e-5, rtol=0
+        xla.paged_decode_attention(*args, no_sinks, *NO_SCALES, scale=head_dim**-0.5), want, atol=1e-5, rtol=0
     )
 
 
@@ -473,7 +462,7 @@ def test_write_pages_writes_each_token_to_its_slot_and_skips_padding(dtype):
             if slots[b, t] >= 0:
                 want[:, slots[b, t] // page_size, :, slots[b, t] % page_size] = np.asarray(update)[:, b, :, t]
     np.testing.assert_array_equal(np.asarray(jax.jit(write_pages)(pool, update, slots)), want)
-    np.testing.assert_array_equal(np.asarray(jax.jit(_write_pages_reference)(pool, update, slots)), want)
+    np.testing.assert_array_equal(np.asarray(jax.jit(xla.write_pages)(pool, update, slots)), want)
     with pytest.raises(Exception, match="outside the page pool"):
         jax.block_until_ready(jax.jit(write_pages)(pool, update, np.array([[24, 0, 1], [2, 3, -1]], np.int32)))
 
@@ -529,7 +518,8 @@ def test_portable_matvec_loops_equal_the_dot_of_the_slice():
     float32 or bfloat16 values, one to seventeen rows, odd widths."""
     script = """
 import jax, jax.numpy as jnp, numpy as np
-from eqx_models.kernels import kernels_status, stacked_matvecs
+from eqx_models.backends.cpu import kernels_status
+from eqx_models.ops import stacked_matvecs
 assert kernels_status() == "ready"
 rng = np.random.default_rng(0)
 for weights, activations in [(jnp.float32, jnp.float32), (jnp.bfloat16, jnp.float32), (jnp.bfloat16, jnp.bfloat16)]:
@@ -548,7 +538,7 @@ def test_model_without_kernels_gives_the_same_tokens_and_logits(tmp_path):
     """`EQX_MODELS_KERNELS=0` (no compiler) falls back to XLA with the same results."""
     script = """
 import sys, jax, jax.numpy as jnp, numpy as np, eqx_models
-from eqx_models.kernels import kernels_status
+from eqx_models.backends.cpu import kernels_status
 config = eqx_models.DecoderConfig(model_type="qwen3", vocab_size=101, hidden_size=64, intermediate_size=96,
     num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     max_position_embeddings=256, use_qk_norm=True)
@@ -579,7 +569,7 @@ np.savez(sys.argv[1], logits=np.asarray(logits), tokens=np.asarray(tokens), stat
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 def test_layer_rows_and_pages_are_copied_exactly(dtype):
-    from eqx_models.kernels import index_layer, take_rows
+    from eqx_models.ops import index_layer, take_rows
 
     rng = np.random.default_rng(7)
     stack = jnp.asarray(rng.standard_normal((4, 6, 5)), dtype)
@@ -603,7 +593,7 @@ def test_a_bfloat16_layer_loop_copies_no_whole_stack():
     # XLA:CPU hoisted a copy of every 16-bit weight stack out of the layer loop (as
     # float32, or given the bits as integers, as uint16): the whole model moved on
     # every prompt. The compiled loop must only copy out the layer it reads.
-    from eqx_models.kernels import index_layer, take_rows
+    from eqx_models.ops import index_layer, take_rows
 
     stacks = [jnp.ones((6, 64, 48), jnp.bfloat16), jnp.ones((6, 48, 64), jnp.bfloat16)]
     table = jnp.ones((1000, 48), jnp.bfloat16)
@@ -631,7 +621,7 @@ def _forward_reference(stacks, table):
 
 GREEDY_CASES = """
 import jax, jax.numpy as jnp, numpy as np
-from eqx_models.kernels import greedy_rows
+from eqx_models.ops import greedy_rows
 rng = np.random.default_rng(0)
 for width in (1, 3, 15, 16, 17, 33, 151937):
     rows = rng.normal(size=(5, width)).astype(np.float32)
@@ -658,7 +648,7 @@ def test_greedy_rows_are_numpys_argmax(path):
 
 
 def test_greedy_rows_refuses_an_empty_vocabulary():
-    from eqx_models.kernels import greedy_rows
+    from eqx_models.ops import greedy_rows
 
     with pytest.raises(ValueError, match="empty last axis"):
         greedy_rows(jnp.zeros((2, 0)))

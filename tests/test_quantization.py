@@ -14,7 +14,8 @@ from test_cache import random_ids, small_model
 
 import eqx_models
 from eqx_models.generation import DecodeState, Sampling, _decode_step
-from eqx_models.kernels import kernels_status, quantized_matvecs
+from eqx_models.backends.cpu import kernels_status
+from eqx_models.ops import quantized_matvecs
 from eqx_models.nn.linear import Linear
 from eqx_models.quantization import (
     QuantizedWeight,
@@ -230,14 +231,14 @@ def test_quantized_matvec_over_several_chunks_of_tiles(kind, rows):
 
 
 def test_a_prompt_takes_the_kernel_where_its_tiles_run():
-    from eqx_models.kernels import quantized_tiles_available
-    from eqx_models.nn.linear import use_matvec_kernel
+    from eqx_models.backends.cpu import quantized_tiles_available
+    from eqx_models.ops import reads_in_place
 
     prompt = jnp.zeros((1, 512, 256))
     for activations in ("int8", "float"):
         weight = quantize_weight(heavy_tailed((64, 256)), 8, 32, activations=activations)
-        assert use_matvec_kernel(prompt, weight) == (activations == "int8" and quantized_tiles_available())
-    assert not use_matvec_kernel(prompt, heavy_tailed((64, 256)))  # float weights: XLA's matmul
+        assert reads_in_place(prompt, weight) == (activations == "int8" and quantized_tiles_available())
+    assert not reads_in_place(prompt, heavy_tailed((64, 256)))  # float weights: XLA's matmul
 
 
 @pytest.mark.parametrize("which", ["x", "scales"])
@@ -321,7 +322,8 @@ def test_portable_avx2_and_tile_paths_equal_the_float64_product(path):
     library picks its path once)."""
     script = """
 import jax, jax.numpy as jnp, numpy as np
-from eqx_models.kernels import kernels_status, quantized_matvecs
+from eqx_models.backends.cpu import kernels_status
+from eqx_models.ops import quantized_matvecs
 from eqx_models.quantization import dequantize, quantize_activations, quantize_weight
 assert kernels_status() == "ready"
 cases = [(8, 1, "int8", 64), (4, 3, "int8", 64), (4, 5, "int8", 32), (8, 6, "int8", 128), (4, 2, "int8", 128),

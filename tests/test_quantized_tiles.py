@@ -16,7 +16,7 @@ from test_quantization import arrays_equal, close_to_float64, float_checkpoint, 
 from test_quantization import product_float64
 
 import eqx_models
-from eqx_models.kernels import quantized_matvecs
+from eqx_models.ops import quantized_matvecs
 from eqx_models.quantization import (
     QuantizedWeight,
     quantize,
@@ -92,7 +92,7 @@ import sys
 sys.path.insert(0, {str(Path(__file__).parent)!r})
 import jax, jax.numpy as jnp, numpy as np
 from test_quantization import close_to_float64, heavy_tailed, layer_weight, product_float64
-from eqx_models.kernels import quantized_matvecs
+from eqx_models.ops import quantized_matvecs
 from eqx_models.quantization import quantize_weight
 for out_features in (304, 512, 2048):
     for group_size in (32, 128):

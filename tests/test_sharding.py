@@ -14,12 +14,12 @@ from jax.sharding import PartitionSpec as P
 
 from eqx_models import CausalLM, from_pretrained, supported_model_types
 from eqx_models.cli import main
+from eqx_models.memory import memory_plan
 from eqx_models.models import architecture_for
 from eqx_models.sharding import (
     Placement,
     ShardingRules,
     head_counts,
-    memory_plan,
     parse_mesh_shape,
     partition_spec,
     placement_for,

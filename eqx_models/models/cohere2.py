@@ -22,7 +22,7 @@ from ..nn.attention import Attention, LayerInputs
 from ..nn.moe import mlp_for
 from ..nn.norm import LayerNorm
 from ..nn.rope import apply_rotary_interleaved
-from . import Architecture
+from ..architecture import Architecture
 
 COHERE2_KEYS = frozenset({"logit_scale", "layer_norm_eps", "sliding_window_pattern"})
 

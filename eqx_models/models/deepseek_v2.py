@@ -21,7 +21,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..config import ConfigError
 from ..nn.moe import SparseMoeBlock, dense_mlp
 from ..nn.mlp import GatedMLP
-from . import Architecture
+from ..architecture import Architecture
 from .deepseek_v3 import (
     DeepseekV3Config, DeepseekV3Layer, _refuse, _whole, mla_config_from_hf, mla_config_to_hf, skips_tensor,
 )

@@ -44,13 +44,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..config import CacheLayout, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..nn.attention import LayerInputs, attend
 from ..nn.decoder import DecoderLayer
-from ..kernels import headwise_matvec
-from ..nn.linear import INIT_STD, MAX_KERNEL_ROWS, LayerSlice, Linear, use_matvec_kernel
+from ..nn.linear import INIT_STD, Linear
 from ..nn.mlp import GatedMLP
 from ..nn.moe import SparseMoeBlock, dense_mlp
 from ..nn.norm import RMSNorm
 from ..nn.rope import apply_rotary, apply_rotary_interleaved
-from . import Architecture
+from ..ops import LayerSlice, headwise_in_place, headwise_matvec
+from ..architecture import Architecture
 
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 ROUTING_FIELDS = ("n_shared_experts", "routed_scaling_factor", "n_group", "topk_group")
@@ -184,10 +184,8 @@ class MultiHeadLatentAttention(eqx.Module):
         q_rope = self.rotate(q[..., nope:].transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
         k_rope = self.rotate(compressed[:, None, :, rank:], inputs.cos, inputs.sin)
         weight = self.kv_b_proj.weight
-        # A few rows only: `headwise_matvec` has no tiles for many (use_matvec_kernel
-        # alone would also say yes to a bfloat16 batch of any size on a CPU with AMX).
-        decode = seq == 1 and cached is not None and isinstance(weight, LayerSlice) and batch <= MAX_KERNEL_ROWS
-        if decode and use_matvec_kernel(x[:, 0], weight):
+        decode = seq == 1 and cached is not None and isinstance(weight, LayerSlice)
+        if decode and headwise_in_place(batch, weight.stack):
             # Decode: the expansions are read where they lie in the stacked weight.
             expand = lambda t, start, rows, transpose: headwise_matvec(
                 t, weight.stack, weight.index, heads=heads, row_start=start, rows=rows, transpose=transpose

@@ -18,7 +18,7 @@ from jaxtyping import PRNGKeyArray
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention
 from ..nn.decoder import DecoderLayer
-from . import Architecture
+from ..architecture import Architecture
 from .olmo2 import PostNormLayer
 
 EXAONE4_KEYS = frozenset({"sliding_window_pattern"})

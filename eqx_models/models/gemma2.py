@@ -21,7 +21,7 @@ from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder
 from ..nn.attention import Attention, LayerInputs
 from ..nn.decoder import DecoderLayer
 from ..nn.norm import RMSNorm
-from . import Architecture
+from ..architecture import Architecture
 
 # Read here, or only meaningful for other attention backends.
 GEMMA2_KEYS = frozenset({

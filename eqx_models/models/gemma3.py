@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
-from . import Architecture
+from ..architecture import Architecture
 from .gemma2 import Gemma2Config, SandwichLayer, embed_scale, gemma_norm, refuse_bidirectional
 
 GLOBAL_THETA, LOCAL_THETA = 1_000_000.0, 10_000.0

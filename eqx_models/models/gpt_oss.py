@@ -32,11 +32,12 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention, LayerInputs, attend
 from ..nn.decoder import DecoderLayer
-from ..nn.linear import Linear, project
+from ..nn.linear import Linear
 from ..nn.moe import SparseMoeBlock, _expert_weight
 from ..nn.norm import RMSNorm
+from ..ops import project
 from ..sharding import stacked_field
-from . import Architecture
+from ..architecture import Architecture
 
 GPT_OSS_KEYS = frozenset({
     "num_local_experts", "num_experts_per_tok", "swiglu_alpha", "swiglu_limit", "router_aux_loss_coef",

@@ -16,7 +16,7 @@ from jaxtyping import Array, Float, PRNGKeyArray
 from ..config import DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..nn.attention import Attention, LayerInputs
 from ..nn.decoder import DecoderLayer
-from . import Architecture
+from ..architecture import Architecture
 
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 

@@ -4,7 +4,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from . import Architecture
+from ..architecture import Architecture
 
 
 def config_from_hf(hf: Mapping[str, Any]) -> DecoderConfig:

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from . import Architecture
+from ..architecture import Architecture
 
 # Training-only settings: router loss and input jitter.
 TRAINING_KEYS = frozenset({"output_router_logits", "router_aux_loss_coef", "router_jitter_noise"})

@@ -20,7 +20,7 @@ from ..nn.attention import Attention, LayerInputs
 from ..nn.linear import project_together
 from ..nn.moe import mlp_for
 from ..nn.norm import RMSNorm
-from . import Architecture
+from ..architecture import Architecture
 
 
 def olmo_norm(config: DecoderConfig, dim: int, axis: str = "embed") -> RMSNorm:

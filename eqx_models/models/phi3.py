@@ -31,7 +31,7 @@ from ..nn.attention import RotaryAttention
 from ..nn.decoder import DecoderLayer
 from ..nn.linear import Linear
 from ..nn.mlp import ACTIVATIONS
-from . import Architecture
+from ..architecture import Architecture
 
 # Dropouts, and the pretraining length (moved into the rope parameters here).
 PHI3_KEYS = frozenset({"resid_pdrop", "embd_pdrop", "original_max_position_embeddings"})

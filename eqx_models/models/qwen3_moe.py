@@ -5,7 +5,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, require_full_attention
-from . import Architecture
+from ..architecture import Architecture
 
 # Training-only settings (router loss), and the experts count's other spelling.
 TRAINING_KEYS = frozenset({"output_router_logits", "router_aux_loss_coef"})

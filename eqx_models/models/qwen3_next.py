@@ -45,14 +45,14 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..cache import StateView
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from ..kernels import delta_rule_step, delta_rule_token
+from ..ops import delta_rule_step, delta_rule_token
 from ..nn.attention import Attention, LayerInputs
 from ..nn.decoder import DecoderLayer
 from ..nn.linear import Linear, project_together
 from ..nn.mlp import GatedMLP
 from ..nn.moe import SparseMoeBlock, dense_mlp
 from ..nn.norm import RMSNorm
-from . import Architecture
+from ..architecture import Architecture
 from .qwen3_moe import MOE_KEYS, TRAINING_KEYS, moe_fields_from_hf, moe_fields_to_hf
 
 LINEAR_FIELDS = ("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
@@ -259,7 +259,7 @@ class GatedDeltaNet(eqx.Module):
         layer at `member` of its block) the whole state with this layer's entries
         advanced; without, this layer's state after the tokens, `(conv, recurrent)`
         from zeros. A single token per row updates the float32 state in place
-        (`kernels.delta_rule_step`)."""
+        (`eqx_models.ops.delta_rule_step`)."""
         batch, seq, _ = x.shape
         nk, nv, dk, dv = self.key_heads, self.value_heads, self.key_dim, self.value_dim
         share = nv // nk

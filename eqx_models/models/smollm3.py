@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from . import Architecture
+from ..architecture import Architecture
 
 SMOLLM3_KEYS = frozenset({"no_rope_layers", "no_rope_layer_interval"})
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..config import DecoderConfig
-from ..kernels import kernels_available
+from ..ops import attends_one_token
 from .linear import Linear, project_together
 from .norm import RMSNorm
 from .rope import apply_rotary
@@ -105,14 +105,9 @@ class LayerInputs(eqx.Module):
 
 
 def use_decode_kernel(seq: int, cached, softcap: float | None = None) -> bool:
-    """Whether attention goes through the cache's decode kernel (`attend_token`)."""
-    return (
-        seq == 1
-        and cached is not None
-        and softcap is None
-        and cached.dtype in (jnp.float32, jnp.bfloat16, jnp.int8)
-        and kernels_available()
-    )
+    """Whether one token per row attends through the cache's `attend_token`
+    (`eqx_models.ops.decode_attention`, which the backend may run in place)."""
+    return seq == 1 and cached is not None and attends_one_token(cached.dtype, softcap)
 
 
 def _as_stored(cached, k: Array, v: Array) -> tuple[Array, Array]:

@@ -12,8 +12,8 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..cache import KVCache, resolve_cache_dtype
 from ..paged_cache import PagedKVCache
 from .. import sharding
+from ..architecture import architecture_of
 from ..config import DecoderConfig
-from ..models import architecture_of
 from .decoder import REMAT_POLICIES, Decoder
 from .linear import Linear
 

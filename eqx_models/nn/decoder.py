@@ -6,6 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import sharding
+from ..architecture import architecture_of
 from ..cache import KVCache
 from ..config import DecoderConfig
 from ..paged_cache import PagedKVCache
@@ -131,8 +132,6 @@ class Decoder(eqx.Module):
     remat: str = eqx.field(static=True)
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, scan_layers: bool = True):
-        from ..models import architecture_of
-
         arch = architecture_of(config)
         k_embed, k_layers = jax.random.split(key)
         self.embed_tokens = Embedding(

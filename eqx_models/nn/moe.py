@@ -21,9 +21,10 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import sharding
 from ..config import DecoderConfig
-from ..quantization import QuantizedWeight
+from ..ops import LayerSlice, project, project_many
+from ..quantized import QuantizedWeight
 from ..sharding import stacked_field
-from .linear import LayerSlice, Linear, layer_view, project, project_many
+from .linear import Linear, layer_view
 from .mlp import ACTIVATIONS, GatedMLP
 
 MAX_BLOCK_ROWS = 128
