@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from .backends import active_backend
 from .cache import KVCache, resolve_cache_dtype
 from .config import is_integer
 from .ops import greedy_rows
@@ -155,6 +156,46 @@ def _decode_stepper(model, sampling: Sampling, eos_ids: tuple = (), pad_token_id
     return lambda state: jitted(arrays, state)
 
 
+@functools.lru_cache(maxsize=16)
+def _jitted_steps(treedef, static_leaves: tuple, sampling: Sampling, eos_ids: tuple, pad_token_id: int, chunk: int):
+    def steps(arrays: list, state: DecodeState, count: Int[Array, ""]):
+        found = iter(arrays)
+        model = jax.tree_util.tree_unflatten(treedef, [next(found) if s is None else s for s in static_leaves])
+
+        def one(i, carry):
+            state, tokens = carry
+            state, token = _step(model, state, sampling, eos_ids, pad_token_id)
+            return state, tokens.at[i].set(token)
+
+        tokens = jnp.full((chunk, state.token.shape[0]), pad_token_id, jnp.int32)
+        return jax.lax.fori_loop(0, count, one, (state, tokens))
+
+    return jax.jit(steps, donate_argnums=1)
+
+
+def _decode_advancer(model, sampling: Sampling, eos_ids: tuple, pad_token_id: int, chunk: int):
+    """`(state, count) -> (state, tokens)`: `count` (at most `chunk`) decode steps
+    in one call, `tokens` `[count or chunk, batch]` (rows past `count` are padding).
+
+    Where launching a program costs a good part of a step (an accelerator, whose
+    host waits for each donating step to finish before launching the next), several
+    steps go as one call (`Backend.decode_steps_per_call`); with one the call is
+    `_decode_stepper`'s."""
+    if chunk == 1:
+        stepper = _decode_stepper(model, sampling, eos_ids, pad_token_id)
+
+        def advance(state, count):
+            state, token = stepper(state)
+            return state, token[None]
+
+        return advance
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+    static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    jitted = _jitted_steps(treedef, static_leaves, sampling, eos_ids, pad_token_id, chunk)
+    return lambda state, count: jitted(arrays, state, jnp.int32(count))
+
+
 def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -274,17 +315,23 @@ def stream_generate(
         model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), max_length, sampling, eos_ids, cache_dtype
     )
     done = np.zeros(ids.shape[0], bool)
-    decode = _decode_stepper(model, sampling, eos_ids, pad)
-    for step in range(max_new_tokens):
-        if step + 1 < max_new_tokens:
-            state, next_token = decode(state)
-        host = np.asarray(token)
-        yield host
-        done |= np.isin(host, eos_ids)
-        if done.all():
+    chunk = active_backend().decode_steps_per_call()
+    advance = _decode_advancer(model, sampling, eos_ids, pad, chunk)
+    # The next call is launched before the host waits on the tokens it has.
+    queued, ready, left = token[None], 1, max_new_tokens - 1
+    while True:
+        count = min(chunk, left)
+        if count:
+            state, following = advance(state, count)
+            left -= count
+        for host in np.asarray(queued)[:ready]:
+            yield host
+            done |= np.isin(host, eos_ids)
+            if done.all():
+                return
+        if not count:
             return
-        if step + 1 < max_new_tokens:
-            token = next_token
+        queued, ready = following, count
 
 
 def generate(

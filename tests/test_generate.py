@@ -236,3 +236,29 @@ def test_every_option_with_a_default_shows_it_in_help():
                 assert shown or f"(default: {action.default})" in text, (name, action.option_strings)
     assert "--max-new-tokens MAX_NEW_TOKENS Most tokens to generate. (default: 64)" in " ".join(
         commands.choices["generate"].format_help().split())
+
+
+@pytest.mark.parametrize("steps_per_call", [3, 16])
+@pytest.mark.parametrize("settings", [dict(), dict(temperature=0.9, top_k=20, seed=4)])
+def test_several_decode_steps_per_call_give_the_same_tokens(stories, monkeypatch, steps_per_call, settings):
+    """An accelerator runs several decode steps per launch (`decode_steps_per_call`);
+    tokens, early stopping at EOS and the streamed steps are those of one step per
+    call, also when `max_new_tokens` is no multiple of the chunk."""
+    from eqx_models.backends.cpu import Cpu
+
+    prompts = [[1, 403, 407, 261], [1, 304]]
+    first = eqx_models.generate(stories, prompts[:1], max_new_tokens=9, **settings)[0]
+    eos = int(first[6])
+    stop = int(np.nonzero(first == eos)[0][0])  # where the single row ends with this EOS
+    one = lambda rows, **extra: (eqx_models.generate(stories, rows, **settings, **extra),
+                                 list(eqx_models.stream_generate(stories, rows, **settings, **extra)))
+    runs = lambda: [one(prompts, max_new_tokens=n) for n in (1, 29)] + [
+        one(prompts, max_new_tokens=29, eos_token_id=eos), one(prompts[:1], max_new_tokens=29, eos_token_id=eos)]
+    expected = runs()
+    monkeypatch.setattr(Cpu, "decode_steps_per_call", lambda self: steps_per_call)
+    got = runs()
+    for (want_tokens, want_steps), (got_tokens, got_steps) in zip(expected, got):
+        np.testing.assert_array_equal(got_tokens, want_tokens)
+        assert len(got_steps) == len(want_steps)
+        np.testing.assert_array_equal(np.stack(got_steps), np.stack(want_steps))
+    assert len(expected[1][1]) == 29 and len(got[3][1]) == stop + 1 < 29

@@ -40,6 +40,11 @@ class Backend(abc.ABC):
         `paged_decode_attention` for a cache of `cache_dtype`."""
 
     @abc.abstractmethod
+    def decode_steps_per_call(self) -> int:
+        """How many decode steps `generate` runs per call of a compiled program
+        (one where launching a program costs little next to a step)."""
+
+    @abc.abstractmethod
     def prefers_quantized_tiles(self) -> bool:
         """Whether int8 weights are best kept in the "tiles" layout."""
 

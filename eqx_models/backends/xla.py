@@ -77,19 +77,9 @@ def decode_attention(
     return jnp.einsum("bkgs,bksd->bkgd", weights, values)
 
 
-def as_bits(x: Array) -> Array:
-    """16-bit floats as their raw `uint16` patterns (other dtypes unchanged)."""
-    return jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in (jnp.bfloat16, jnp.float16) else x
-
-
-def from_bits(x: Array, dtype) -> Array:
-    return jax.lax.bitcast_convert_type(x, dtype) if x.dtype != dtype else x
-
-
 def take(table: Array, layer: Array, ids: Array) -> Array:
     """`table[layer, ids]` for a `[layers, rows, ...]` table, ids clamped to the rows."""
-    # As 16-bit integers: XLA:CPU would widen the whole table to float32 first.
-    return from_bits(as_bits(table)[layer, jnp.clip(ids, 0, table.shape[1] - 1)], table.dtype)
+    return table[layer, jnp.clip(ids, 0, table.shape[1] - 1)]
 
 
 def end_to_end(pages: Array) -> Array:
@@ -132,30 +122,19 @@ def greedy_rows(logits: Array) -> Array:
     return jnp.min(jnp.where(first, positions, logits.shape[-1]), axis=-1)
 
 
-def _bits(a: Array) -> Array:
-    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
-
-
-def _unbits(a: Array, dtype) -> Array:
-    return jax.lax.bitcast_convert_type(a, dtype) if jnp.dtype(dtype).itemsize == 2 else a
-
-
 def write_pages(pool: Array, update: Array, slots: Array) -> Array:
     page_size = pool.shape[3]
     # -1 (padding) becomes a page past the end, which the scatter drops.
     pages = jnp.where(slots < 0, pool.shape[1], slots // page_size)
-    by_token = _bits(update).transpose(1, 3, 0, 2, *range(4, update.ndim))
-    return _unbits(_bits(pool).at[:, pages, :, slots % page_size].set(by_token, mode="drop"), pool.dtype)
+    by_token = update.transpose(1, 3, 0, 2, *range(4, update.ndim))
+    return pool.at[:, pages, :, slots % page_size].set(by_token, mode="drop")
 
 
 def write_slots(buffer: Array, update: Array, start: Array, wrap: bool) -> Array:
-    # On the raw 16-bit patterns: no float arithmetic for XLA to widen.
     if wrap:
         slots = (start + jnp.arange(update.shape[3])) % buffer.shape[3]
-        written = _bits(buffer).at[:, :, :, slots].set(_bits(update))
-    else:
-        written = jax.lax.dynamic_update_slice(_bits(buffer), _bits(update), (0, 0, 0, start, 0)[: buffer.ndim])
-    return _unbits(written, buffer.dtype)
+        return buffer.at[:, :, :, slots].set(update)
+    return jax.lax.dynamic_update_slice(buffer, update, (0, 0, 0, start, 0)[: buffer.ndim])
 
 
 def delta_rule_token(state: Array, q: Array, k: Array, v: Array, g: Array, beta: Array) -> tuple[Array, Array]:

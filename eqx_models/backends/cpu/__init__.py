@@ -297,6 +297,30 @@ def _attention_unit(cache: Array) -> str | None:
     return f"attention_{cache.dtype.name}" if cache.dtype.name in ATTENTION_DTYPES else None
 
 
+def _bits(a: Array) -> Array:
+    return jax.lax.bitcast_convert_type(a, jnp.uint16) if a.dtype.itemsize == 2 else a
+
+
+def _in_bits(reference):
+    """`reference(array, *rest)` on the raw patterns of 16-bit floats (and of any
+    16-bit float among `rest`): XLA:CPU widens a bfloat16 gather or update to
+    float32 and rewrites the whole buffer. (Elsewhere the bitcast itself costs a
+    copy: the TPU copied a whole bfloat16 cache before its in-place update.)"""
+
+    def run(array: Array, *rest, **keywords):
+        if array.dtype.itemsize != 2:
+            return reference(array, *rest, **keywords)
+        rest = [_bits(a) if isinstance(a, jax.Array) and jnp.issubdtype(a.dtype, jnp.floating) else a for a in rest]
+        return jax.lax.bitcast_convert_type(reference(_bits(array), *rest, **keywords), array.dtype)
+
+    return run
+
+
+_take_reference = _in_bits(xla.take)
+_write_slots_reference = _in_bits(xla.write_slots)
+_write_pages_reference = _in_bits(xla.write_pages)
+
+
 def _matvec_kernel(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
     shapes = tuple(jax.ShapeDtypeStruct(x.shape[:-1] + stack.shape[1:2], jnp.float32) for stack in stacks)
     call = jax.ffi.ffi_call(MATVEC_TARGET, shapes, vmap_method="sequential")
@@ -359,8 +383,8 @@ def _take(table: Array, layer: Array, ids: Array) -> Array:
     kernel copies just the rows: given the bits as integers, XLA:CPU still copied the
     whole table (hoisted out of the layer loop, for a weight stack) on every call."""
     if table.dtype.itemsize == 2 and table.shape[1] > 0:
-        return _dispatch("gather", _rows_kernel, xla.take, table, layer, ids)
-    return xla.take(table, layer, ids)
+        return _dispatch("gather", _rows_kernel, _take_reference, table, layer, ids)
+    return _take_reference(table, layer, ids)
 
 
 def _greedy_kernel(logits: Array) -> Array:
@@ -589,6 +613,9 @@ class Cpu(Backend):
     def attends_one_token(self, cache_dtype, softcap: float | None) -> bool:
         return softcap is None and jnp.dtype(cache_dtype).name in ATTENTION_DTYPES and kernels_available()
 
+    def decode_steps_per_call(self) -> int:
+        return 1  # launching costs tens of microseconds next to steps of tens of milliseconds
+
     def prefers_quantized_tiles(self) -> bool:
         return quantized_tiles_available()
 
@@ -615,12 +642,12 @@ class Cpu(Backend):
         # A cache written is a cache attended to: its attention library is built meanwhile.
         ahead = [unit] if (unit := _attention_unit(buffer)) else []
         return _dispatch("cache_write", functools.partial(_write_kernel, wrap=wrap),
-                         functools.partial(xla.write_slots, wrap=wrap), buffer, update, start, ahead=ahead)
+                         functools.partial(_write_slots_reference, wrap=wrap), buffer, update, start, ahead=ahead)
 
     @staticmethod
     def write_pages(pool: Array, update: Array, slots: Array) -> Array:
         ahead = [unit] if (unit := _attention_unit(pool)) else []
-        return _dispatch("cache_write", _write_pages_kernel, xla.write_pages, pool, update, slots, ahead=ahead)
+        return _dispatch("cache_write", _write_pages_kernel, _write_pages_reference, pool, update, slots, ahead=ahead)
 
     @staticmethod
     def delta_rule_step(pool, layer, slots, fresh, q, k, v, g, beta, member):

@@ -1,0 +1,169 @@
+"""Decode speed on one accelerator chip against the HBM floor (issue 37's table).
+
+A Qwen3-shaped model with random bfloat16 weights (`--shape 0.6b` or `4b`) decodes
+`--new-tokens` tokens after a `--prompt`-token prompt at each batch size (a cache
+of the next power of two, 256 for 128 + 128), through the public `generate` (the
+per-token figure is the difference between a run of N tokens and a run of 1
+over N - 1, so prefill and compile are left out), and the jitted steps alone,
+launched back to back as `generate` launches them (`decode_steps_per_call` at a
+time), without the host reading the tokens. The floor of a step is the bytes it must read — every weight once (the
+tied embedding once, as the head) and the live part of the KV cache, at the mean
+cache length of the run — at the chip's spec bandwidth (819 GB/s on a v5e). For
+each step the compiled program's own figures are kept too: XLA's count of bytes
+accessed and its temporary memory. Writes `benchmarks/results/tpu_decode[_<shape>].json`.
+
+    python benchmarks/tpu_decode.py [--shape 0.6b] [--batch-sizes 1 8 64 256] [--prompt 128] [--new-tokens 128]
+"""
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_models
+from eqx_models.backends import active_backend
+from eqx_models.generation import Sampling, _decode_advancer, _jitted_step, _next_power_of_two, _prefill
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SPEC_BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
+
+SHAPES = {
+    "0.6b": dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+    "4b": dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+               num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True),
+}
+
+
+def random_model(shape: str, layers: int | None = None, dtype=jnp.bfloat16) -> eqx_models.CausalLM:
+    sizes = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
+    config = eqx_models.DecoderConfig(model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6,
+                                      rms_norm_eps=1e-6, use_qk_norm=True, **sizes)
+    model = jax.jit(lambda key: eqx_models.CausalLM(config, key=key))(jax.random.key(0))
+    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+
+
+def array_bytes(tree) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(tree) if isinstance(a, jax.Array))
+
+
+def kv_bytes_per_token(config, dtype) -> int:
+    """Keys and values of one position of one row, all layers."""
+    return 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * jnp.dtype(dtype).itemsize
+
+
+def timed(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int) -> dict:
+    config = model.config
+    ids = np.random.default_rng(batch).integers(0, config.vocab_size, (batch, prompt))
+    run = lambda n: np.asarray(eqx_models.generate(model, ids, max_new_tokens=n, eos_token_id=[]))
+    run(new_tokens)  # compiles prefill and step
+    whole = timed(lambda: run(new_tokens), repeats)
+    first = timed(lambda: run(1), repeats)
+    step_generate = (whole - first) / (new_tokens - 1)
+
+    # The step alone, back to back: what the device takes, the host never waiting on a token.
+    max_length = _next_power_of_two(prompt + new_tokens)  # as generate sizes it
+    sampling = Sampling(0.0, None, None)
+    state, _ = _prefill(model, jnp.asarray(ids), jnp.ones((batch, prompt), jnp.int32), jax.random.key(0),
+                        max_length, sampling, (), None)
+    chunk = active_backend().decode_steps_per_call()
+    advance = _decode_advancer(model, sampling, (), 0, chunk)
+    state, tokens = advance(state, chunk)  # compiles
+    tokens.block_until_ready()
+    calls = max(1, (new_tokens - 1) // chunk - 1)
+    start = time.perf_counter()
+    for _ in range(calls):
+        state, tokens = advance(state, chunk)
+    tokens.block_until_ready()
+    step_device = (time.perf_counter() - start) / (calls * chunk)
+
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+    static = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    compiled = _jitted_step(treedef, static, sampling, (), 0).lower(arrays, state).compile()
+    memory = compiled.memory_analysis()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+
+    weights = array_bytes(model)
+    kv = kv_bytes_per_token(config, model.dtype) * batch * (prompt + new_tokens / 2)
+    return {
+        "batch": batch,
+        "steps_per_call": chunk,
+        "step_ms_generate": round(step_generate * 1e3, 3),
+        "step_ms_device": round(step_device * 1e3, 3),
+        "tokens_per_s_generate": round(batch / step_generate, 1),
+        "tokens_per_s_device": round(batch / step_device, 1),
+        "floor_bytes": int(weights + kv),
+        "weight_bytes": int(weights),
+        "kv_bytes_mean": int(kv),
+        "xla_bytes_accessed": int(cost.get("bytes accessed", -1)),
+        "temp_bytes": int(getattr(memory, "temp_size_in_bytes", -1)),
+        "prefill_and_first_token_ms": round(first * 1e3, 2),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64, 256])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (a quick check)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    bandwidth = SPEC_BANDWIDTH.get(device.device_kind)
+    model = random_model(args.shape, args.layers)
+    rows = []
+    for batch in args.batch_sizes:
+        try:
+            row = measure(model, batch, args.prompt, args.new_tokens, args.repeats)
+        except Exception as error:  # a batch that does not fit is a result too
+            row = {"batch": batch, "error": f"{type(error).__name__}: {str(error)[:400]}"}
+        if bandwidth and "floor_bytes" in row:
+            floor = row["floor_bytes"] / bandwidth
+            row["floor_ms"] = round(floor * 1e3, 3)
+            row["fraction_of_floor_generate"] = round(floor / (row["step_ms_generate"] / 1e3), 3)
+            row["fraction_of_floor_device"] = round(floor / (row["step_ms_device"] / 1e3), 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    result = {
+        "benchmark": "tpu_decode",
+        "device": device.device_kind,
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "shape": f"Qwen3-{args.shape.upper()}",
+        "layers": model.config.num_hidden_layers,
+        "dtype": "bfloat16",
+        "prompt": args.prompt,
+        "new_tokens": args.new_tokens,
+        "spec_bandwidth_bytes_per_s": bandwidth,
+        "rows": rows,
+    }
+    output = args.output or RESULTS / ("tpu_decode.json" if args.shape == "0.6b" else f"tpu_decode_{args.shape}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
+if __name__ == "__main__":
+    main()
