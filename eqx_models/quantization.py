@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 
 from .backends import active_backend
+from .nn.attention import AbstractAttention
 from .nn.linear import Embedding, Linear
+from .nn.moe import AbstractSparseMoeBlock
 from .quantized import (  # noqa: F401  (the formats, importable from here too)
     ACTIVATION_BLOCK, ACTIVATIONS, GROUP_SIZES, LAYOUTS, MODES, SCALE_DTYPES, TILE_BLOCK, TILE_ROWS, QuantizedWeight,
     _check, dequantize, host_tiles, is_expert_stack, quantize_activations, quantize_weight, quantized_bytes, relayout,
@@ -47,6 +49,14 @@ def with_layout(model, layout: str):
     return relayout(model, layout)
 
 
+def _float_children(module) -> tuple[str, ...]:
+    """The `Linear` children a block reads other than through `Linear` (its
+    `float_children`), which stay float."""
+    if isinstance(module, (AbstractAttention, AbstractSparseMoeBlock)):
+        return module.float_children
+    return ()
+
+
 def quantizable_layers(
     model, *, embeddings: bool = True, lm_head: bool = True, experts: bool = True
 ) -> list[tuple[tuple, Any, tuple]]:
@@ -67,7 +77,7 @@ def quantizable_layers(
         for key in path[:-1]:
             parent = tree_child(parent, key)
         name = getattr(path[-1], "name", None)
-        keep = name in getattr(parent, "float_children", ()) or (name == "lm_head" and not lm_head)
+        keep = name in _float_children(parent) or (name == "lm_head" and not lm_head)
         if isinstance(node, Embedding):
             keep = keep or not embeddings
         elif node.axes[0] == "router":

@@ -19,9 +19,9 @@ from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..config import AttentionKind, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention, LayerInputs
+from ..nn.decoder import AbstractDecoderLayer
 from ..nn.moe import mlp_for
 from ..nn.norm import LayerNorm
-from ..nn.rope import apply_rotary_interleaved
 from ..architecture import Architecture
 
 COHERE2_KEYS = frozenset({"logit_scale", "layer_norm_eps", "sliding_window_pattern"})
@@ -44,20 +44,14 @@ class Cohere2Config(DecoderConfig):
         )
 
 
-class InterleavedRotaryAttention(Attention):
-    """`Attention` rotating adjacent channel pairs instead of the two halves."""
-
-    def rotate(self, x, cos, sin):
-        return apply_rotary_interleaved(x, cos, sin)
-
-
 def cohere_norm(config: DecoderConfig, dim: int) -> LayerNorm:
     return LayerNorm(dim, config.rms_norm_eps)
 
 
-class ParallelLayer(eqx.Module):
+class ParallelLayer(AbstractDecoderLayer):
     """`x + attn(h) + mlp(h)` with `h = input_layernorm(x)`: one norm, both sublayers
-    reading it (Cohere). The call and construction follow `DecoderLayer`'s contract."""
+    reading it (Cohere); the attention rotates adjacent channel pairs
+    (`interleave`), not the two halves."""
 
     self_attn: Attention
     mlp: eqx.Module | None
@@ -65,7 +59,7 @@ class ParallelLayer(eqx.Module):
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
         k_attn, k_mlp = jax.random.split(key)
-        self.self_attn = InterleavedRotaryAttention.from_config(config, key=k_attn)
+        self.self_attn = Attention.from_config(config, key=k_attn, interleave=True)
         self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
         self.input_layernorm = cohere_norm(config, config.hidden_size)
 

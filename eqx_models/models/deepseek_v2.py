@@ -19,11 +19,15 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import ConfigError
-from ..nn.moe import SparseMoeBlock, dense_mlp
+from ..nn.decoder import AbstractPreNormLayer
+from ..nn.linear import Linear
+from ..nn.moe import AbstractSparseMoeBlock, Experts, MixedMLP, dense_mlp, router_and_experts
 from ..nn.mlp import GatedMLP
+from ..nn.norm import RMSNorm
 from ..architecture import Architecture
 from .deepseek_v3 import (
-    DeepseekV3Config, DeepseekV3Layer, _refuse, _whole, mla_config_from_hf, mla_config_to_hf, skips_tensor,
+    DeepseekV3Config, MultiHeadLatentAttention, _refuse, _whole, mla_config_from_hf, mla_config_to_hf,
+    shared_experts_mlp, skips_tensor,
 )
 
 TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -36,10 +40,14 @@ class DeepseekV2Config(DeepseekV3Config):
     topk_method: str = "greedy"
 
 
-class DeepseekV2MoeBlock(SparseMoeBlock):
+class DeepseekV2MoeBlock(AbstractSparseMoeBlock):
     """Routed experts with softmax routing (greedy or group-limited), plus the shared experts."""
 
+    gate: Linear
+    experts: Experts
     shared_experts: GatedMLP
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
     routed_scaling_factor: float = eqx.field(static=True)
     n_group: int = eqx.field(static=True)
     topk_group: int = eqx.field(static=True)
@@ -47,14 +55,11 @@ class DeepseekV2MoeBlock(SparseMoeBlock):
 
     def __init__(self, config: DeepseekV2Config, *, key: PRNGKeyArray):
         k_moe, k_shared = jax.random.split(key)
-        super().__init__(
-            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-            norm_topk_prob=False, hidden_act=config.hidden_act, key=k_moe,
+        self.gate, self.experts = router_and_experts(
+            config.hidden_size, config.moe_intermediate_size, config.num_experts, hidden_act=config.hidden_act, key=k_moe
         )
-        self.shared_experts = GatedMLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-            hidden_act=config.hidden_act, key=k_shared,
-        )
+        self.shared_experts = shared_experts_mlp(config, k_shared)
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
         self.routed_scaling_factor = config.routed_scaling_factor
         self.n_group, self.topk_group, self.topk_method = config.n_group, config.topk_group, config.topk_method
 
@@ -74,14 +79,26 @@ class DeepseekV2MoeBlock(SparseMoeBlock):
         return weights * self.routed_scaling_factor, chosen
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
-        return super().__call__(x) + self.shared_experts(x)
+        return self.routed_experts(x) + self.shared_experts(x)
 
 
-class DeepseekV2Layer(DeepseekV3Layer):
-    """DeepSeek-V3's layer with the softmax-routed MoE."""
+class DeepseekV2Layer(AbstractPreNormLayer):
+    """DeepSeek-V3's layer (MLA) with the softmax-routed MoE."""
+
+    self_attn: MultiHeadLatentAttention
+    mlp: GatedMLP | DeepseekV2MoeBlock | MixedMLP | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: DeepseekV2Config, *, key: PRNGKeyArray, mlp: bool = True):
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = MultiHeadLatentAttention(config, key=k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @staticmethod
-    def mlp_for(config: DeepseekV2Config, key: PRNGKeyArray, sparse: bool) -> eqx.Module:
+    def mlp_for(config: DeepseekV2Config, key: PRNGKeyArray, sparse: bool) -> GatedMLP | DeepseekV2MoeBlock:
         return DeepseekV2MoeBlock(config, key=key) if sparse else dense_mlp(config, key)
 
 

@@ -42,11 +42,11 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import CacheLayout, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from ..nn.attention import LayerInputs, attend
-from ..nn.decoder import DecoderLayer
+from ..nn.attention import AbstractAttention, LayerInputs, attend
+from ..nn.decoder import AbstractPreNormLayer
 from ..nn.linear import INIT_STD, Linear
 from ..nn.mlp import GatedMLP
-from ..nn.moe import SparseMoeBlock, dense_mlp
+from ..nn.moe import AbstractSparseMoeBlock, Experts, MixedMLP, dense_mlp, router_and_experts
 from ..nn.norm import RMSNorm
 from ..nn.rope import apply_rotary, apply_rotary_interleaved
 from ..ops import LayerSlice, headwise_in_place, headwise_matvec
@@ -114,7 +114,7 @@ def _whole(weight: Array | LayerSlice) -> Array:
     return weight.materialize() if isinstance(weight, LayerSlice) else weight
 
 
-class MultiHeadLatentAttention(eqx.Module):
+class MultiHeadLatentAttention(AbstractAttention):
     """MLA with the key/value expansion absorbed into queries and output (see the
     module docstring). Weight names are the checkpoint's. Called like every
     attention (`attn(x, inputs, cached) -> (out, (new_keys, new_values))`); its new
@@ -217,26 +217,28 @@ class DeepseekRouter(eqx.Module):
         return {"weight": ("router", "embed"), "e_score_correction_bias": ("router",)}
 
 
-class DeepseekMoeBlock(SparseMoeBlock):
+class DeepseekMoeBlock(AbstractSparseMoeBlock):
     """Routed experts with group-limited sigmoid routing, plus the shared experts."""
 
     gate: DeepseekRouter
+    experts: Experts
     shared_experts: GatedMLP
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    norm_topk_prob: bool = eqx.field(static=True)
     routed_scaling_factor: float = eqx.field(static=True)
     n_group: int = eqx.field(static=True)
     topk_group: int = eqx.field(static=True)
 
     def __init__(self, config: DeepseekV3Config, *, key: PRNGKeyArray):
         k_gate, k_moe, k_shared = jax.random.split(key, 3)
-        super().__init__(
-            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-            norm_topk_prob=config.norm_topk_prob, hidden_act=config.hidden_act, key=k_moe,
-        )
         self.gate = DeepseekRouter(config, key=k_gate)
-        self.shared_experts = GatedMLP(
-            config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
-            hidden_act=config.hidden_act, key=k_shared,
+        _, self.experts = router_and_experts(
+            config.hidden_size, config.moe_intermediate_size, config.num_experts, hidden_act=config.hidden_act, key=k_moe
         )
+        self.shared_experts = shared_experts_mlp(config, k_shared)
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
         self.routed_scaling_factor = config.routed_scaling_factor
         self.n_group, self.topk_group = config.n_group, config.topk_group
 
@@ -259,18 +261,34 @@ class DeepseekMoeBlock(SparseMoeBlock):
         return weights * self.routed_scaling_factor, chosen
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
-        return super().__call__(x) + self.shared_experts(x)
+        return self.routed_experts(x) + self.shared_experts(x)
 
 
-class DeepseekV3Layer(DecoderLayer):
+def shared_experts_mlp(config: DeepseekV3Config, key: PRNGKeyArray) -> GatedMLP:
+    """The `n_shared_experts` always-on experts, as one MLP of their combined width."""
+    return GatedMLP(
+        config.hidden_size, config.moe_intermediate_size * config.n_shared_experts,
+        hidden_act=config.hidden_act, key=key,
+    )
+
+
+class DeepseekV3Layer(AbstractPreNormLayer):
     """The Llama block with MLA and DeepSeek's MoE (dense in the first layers)."""
 
-    @staticmethod
-    def attention_for(config: DeepseekV3Config, key: PRNGKeyArray) -> MultiHeadLatentAttention:
-        return MultiHeadLatentAttention(config, key=key)
+    self_attn: MultiHeadLatentAttention
+    mlp: GatedMLP | DeepseekMoeBlock | MixedMLP | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: DeepseekV3Config, *, key: PRNGKeyArray, mlp: bool = True):
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = MultiHeadLatentAttention(config, key=k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @staticmethod
-    def mlp_for(config: DeepseekV3Config, key: PRNGKeyArray, sparse: bool) -> eqx.Module:
+    def mlp_for(config: DeepseekV3Config, key: PRNGKeyArray, sparse: bool) -> GatedMLP | DeepseekMoeBlock:
         return DeepseekMoeBlock(config, key=key) if sparse else dense_mlp(config, key)
 
 

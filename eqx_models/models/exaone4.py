@@ -5,21 +5,24 @@ With a `sliding_window`, three of every four layers (`sliding_window_pattern`, o
 `layer_types`) attend to the last `sliding_window` positions with rotary
 positions, and the others attend globally without them (NoPE); without one,
 every layer is global and rotates (the 1.2B model). The block normalises each
-sublayer's output only (`PostNormLayer`), the norms are Llama's RMSNorm, and
-queries and keys are normalised per head as in Qwen3.
+sublayer's output only (OLMo 2's `AbstractPostNormLayer`), the norms are Llama's
+RMSNorm, and queries and keys are normalised per head as in Qwen3.
 """
 
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import equinox as eqx
+import jax
 from jaxtyping import PRNGKeyArray
 
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention
-from ..nn.decoder import DecoderLayer
+from ..nn.moe import mlp_for
+from ..nn.norm import RMSNorm
 from ..architecture import Architecture
-from .olmo2 import PostNormLayer
+from .olmo2 import AbstractPostNormLayer
 
 EXAONE4_KEYS = frozenset({"sliding_window_pattern"})
 
@@ -35,14 +38,22 @@ class Exaone4Config(DecoderConfig):
         return tuple(kind if kind.window is not None else dataclasses.replace(kind, rope_theta=None) for kind in kinds)
 
 
-class Exaone4Layer(PostNormLayer):
-    """`PostNormLayer` with Llama's norms and per-head QK-norm."""
+class Exaone4Layer(AbstractPostNormLayer):
+    """OLMo 2's post-norm layout with Llama's norms and per-head QK-norm."""
 
-    norm_for = staticmethod(DecoderLayer.norm_for)
+    self_attn: Attention
+    mlp: eqx.Module | None
+    post_attention_layernorm: RMSNorm
+    post_feedforward_layernorm: RMSNorm
 
-    @staticmethod
-    def attention_for(config: DecoderConfig, key: PRNGKeyArray) -> Attention:
-        return Attention.from_config(config, key=key)
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = Attention.from_config(config, key=k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    mlp_for = staticmethod(mlp_for)
 
 
 def _layer_types(hf: Mapping[str, Any]) -> tuple[str, ...] | None:

@@ -14,12 +14,15 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import equinox as eqx
+import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
 from ..nn.attention import Attention, LayerInputs
-from ..nn.decoder import DecoderLayer
+from ..nn.decoder import AbstractDecoderLayer
+from ..nn.moe import mlp_for
 from ..nn.norm import RMSNorm
 from ..architecture import Architecture
 
@@ -50,34 +53,36 @@ def gemma_norm(config: DecoderConfig, dim: int, axis: str = "embed") -> RMSNorm:
     return RMSNorm(dim, config.rms_norm_eps, unit_offset=True, axis=axis)
 
 
-class SandwichLayer(DecoderLayer):
+class SandwichLayer(AbstractDecoderLayer):
     """Norms before and after both sublayers (Gemma 2 and 3):
     `x + post_attention_layernorm(attn(input_layernorm(x)))`, then
     `x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))`; every norm
     scales by `1 + w`, and scores by `query_pre_attn_scalar ** -0.5`."""
 
+    self_attn: Attention
+    mlp: eqx.Module | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
     pre_feedforward_layernorm: RMSNorm
     post_feedforward_layernorm: RMSNorm
 
     def __init__(self, config: Gemma2Config, *, key: PRNGKeyArray, mlp: bool = True):
-        super().__init__(config, key=key, mlp=mlp)
-        self.pre_feedforward_layernorm = self.norm_for(config, config.hidden_size)
-        self.post_feedforward_layernorm = self.norm_for(config, config.hidden_size)
-
-    @staticmethod
-    def norm_for(config: DecoderConfig, dim: int) -> RMSNorm:
-        return gemma_norm(config, dim)
-
-    @staticmethod
-    def attention_for(config: Gemma2Config, key: PRNGKeyArray) -> Attention:
+        k_attn, k_mlp = jax.random.split(key)
         per_head = lambda: gemma_norm(config, config.head_dim, "head_dim")
-        return Attention.from_config(
+        self.self_attn = Attention.from_config(
             config,
-            key=key,
+            key=k_attn,
             qk_norms=(per_head(), per_head()) if config.use_qk_norm else None,
             scale=config.query_pre_attn_scalar**-0.5,
             softcap=config.attn_logit_softcapping,
         )
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = gemma_norm(config, config.hidden_size)
+        self.post_attention_layernorm = gemma_norm(config, config.hidden_size)
+        self.pre_feedforward_layernorm = gemma_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = gemma_norm(config, config.hidden_size)
+
+    mlp_for = staticmethod(mlp_for)
 
     def __call__(
         self, x: Float[Array, "batch seq hidden"], inputs: LayerInputs, cached=None

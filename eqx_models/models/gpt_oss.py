@@ -30,12 +30,12 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf, every_nth_full
-from ..nn.attention import Attention, LayerInputs, attend
-from ..nn.decoder import DecoderLayer
+from ..nn.attention import Attention
+from ..nn.decoder import AbstractPreNormLayer
 from ..nn.linear import Linear
-from ..nn.moe import SparseMoeBlock, _expert_weight
+from ..nn.moe import AbstractExperts, AbstractSparseMoeBlock, _expert_weight, route
 from ..nn.norm import RMSNorm
-from ..ops import project
+from ..ops import LayerSlice, project
 from ..sharding import stacked_field
 from ..architecture import Architecture
 
@@ -58,33 +58,17 @@ class GptOssConfig(DecoderConfig):
     swiglu_limit: float = 7.0
 
 
-class SinkAttention(Attention):
-    """`Attention` with a learned sink logit per query head (`sinks`)."""
-
-    sinks: Float[Array, " heads"]
-
-    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
-        super().__init__(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            use_bias=config.attention_bias, key=key,
-        )
-        self.sinks = jnp.zeros((config.num_attention_heads,))
-
-    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
-        return {"sinks": ("heads",)}
-
-    def attend(self, q, k, v, inputs: LayerInputs, cached=None):
-        return attend(q, k, v, inputs, cached, scale=self.scale, sinks=self.sinks)
-
-
-class GptOssExperts(eqx.Module):
+class GptOssExperts(AbstractExperts):
     """`num_experts` experts, stacked `[experts, out, in]`: `gate_up_proj` (gate and
-    up channels interleaved) and `down_proj`, both with biases."""
+    up channels interleaved) and `down_proj`, both with biases, and the clamped
+    SwiGLU between them. The down projection's bias is the MoE block's to add."""
 
     gate_up_proj: Linear = stacked_field("experts")
     down_proj: Linear = stacked_field("experts")
+    swiglu_alpha: float = eqx.field(static=True)
+    swiglu_limit: float = eqx.field(static=True)
 
-    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
+    def __init__(self, config: GptOssConfig, *, key: PRNGKeyArray):
         hidden, inner = config.hidden_size, config.intermediate_size
 
         def expert(k):
@@ -95,38 +79,14 @@ class GptOssExperts(eqx.Module):
             )
 
         self.gate_up_proj, self.down_proj = eqx.filter_vmap(expert)(jax.random.split(key, config.num_experts))
-
-
-class GptOssMoeBlock(SparseMoeBlock):
-    """The router (`router`, with a bias) and `GptOssExperts`.
-
-    The down projection's bias is added outside the per-expert blocks, as the
-    routing-weighted sum of the chosen experts' biases: on a mesh the blocks'
-    outputs are partial sums over the MLP width, and a bias added inside them
-    would be counted once per device.
-    """
-
-    experts: GptOssExperts
-    swiglu_alpha: float = eqx.field(static=True)
-    swiglu_limit: float = eqx.field(static=True)
-
-    def __init__(self, config: GptOssConfig, *, key: PRNGKeyArray):
-        k_router, k_experts = jax.random.split(key)
-        self.gate = Linear(config.hidden_size, config.num_experts, axes=("router", "embed"), use_bias=True, key=k_router)
-        self.experts = GptOssExperts(config, key=k_experts)
-        self.num_experts = config.num_experts
-        self.top_k = config.num_experts_per_tok
-        self.norm_topk_prob = True  # softmax over the chosen logits
-        self.hidden_act = config.hidden_act
         self.swiglu_alpha = config.swiglu_alpha
         self.swiglu_limit = config.swiglu_limit
 
-    def expert_arrays(self):
-        experts = self.experts
-        return [(experts.gate_up_proj.weight, ("mlp", "embed")), (experts.gate_up_proj.bias, ("mlp",)),
-                (experts.down_proj.weight, ("embed", "mlp"))]
+    def arrays(self) -> list[tuple[Array | LayerSlice, tuple[str | None, ...]]]:
+        return [(self.gate_up_proj.weight, ("mlp", "embed")), (self.gate_up_proj.bias, ("mlp",)),
+                (self.down_proj.weight, ("embed", "mlp"))]
 
-    def expert_forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
+    def forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
         gate_up_w, gate_up_b, down_w = arrays
         gate_up = project(h, _expert_weight(gate_up_w, expert))
         gate_up = (gate_up + gate_up_b[expert]).astype(h.dtype)
@@ -135,29 +95,64 @@ class GptOssMoeBlock(SparseMoeBlock):
         up = jnp.clip(gate_up[:, 1::2], -limit, limit)
         return project((up + 1) * gate * jax.nn.sigmoid(gate * self.swiglu_alpha), _expert_weight(down_w, expert))
 
+
+class GptOssMoeBlock(AbstractSparseMoeBlock):
+    """The router (`router`, with a bias) and `GptOssExperts`; each token's experts
+    weighed by the softmax of their logits.
+
+    The down projection's bias is added outside the per-expert blocks, as the
+    routing-weighted sum of the chosen experts' biases: on a mesh the blocks'
+    outputs are partial sums over the MLP width, and a bias added inside them
+    would be counted once per device.
+    """
+
+    gate: Linear
+    experts: GptOssExperts
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+
+    def __init__(self, config: GptOssConfig, *, key: PRNGKeyArray):
+        k_router, k_experts = jax.random.split(key)
+        self.gate = Linear(config.hidden_size, config.num_experts, axes=("router", "embed"), use_bias=True, key=k_router)
+        self.experts = GptOssExperts(config, key=k_experts)
+        self.num_experts = config.num_experts
+        self.top_k = config.num_experts_per_tok
+
+    def route_tokens(
+        self, gate: Linear, tokens: Float[Array, "tokens hidden"]
+    ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+        return route(gate(tokens), self.top_k, normalize=True)  # the softmax over the chosen logits
+
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route_tokens(self.gate, tokens)
         bias = self.experts.down_proj.bias[chosen].astype(jnp.float32)  # [tokens, top_k, hidden]
         bias_term = jnp.einsum("tk,tkh->th", weights, bias).astype(x.dtype)
-        return super().__call__(x) + bias_term.reshape(x.shape)
+        return self.routed_experts(x) + bias_term.reshape(x.shape)
 
 
-class GptOssLayer(DecoderLayer):
-    """The Llama block with sink attention and the gpt-oss experts; norms scale in
+class GptOssLayer(AbstractPreNormLayer):
+    """The Llama block with attention sinks and the gpt-oss experts; norms scale in
     float32."""
 
-    @staticmethod
-    def attention_for(config: DecoderConfig, key: PRNGKeyArray) -> SinkAttention:
-        return SinkAttention(config, key=key)
+    self_attn: Attention
+    mlp: GptOssMoeBlock | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: GptOssConfig, *, key: PRNGKeyArray, mlp: bool = True):
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = Attention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
+            use_bias=config.attention_bias, use_sinks=True, key=k_attn,
+        )
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = gpt_oss_norm(config, config.hidden_size)
+        self.post_attention_layernorm = gpt_oss_norm(config, config.hidden_size)
 
     @staticmethod
     def mlp_for(config: GptOssConfig, key: PRNGKeyArray, sparse: bool) -> GptOssMoeBlock:
         return GptOssMoeBlock(config, key=key)
-
-    @staticmethod
-    def norm_for(config: DecoderConfig, dim: int) -> RMSNorm:
-        return gpt_oss_norm(config, dim)
 
 
 def gpt_oss_norm(config: DecoderConfig, dim: int) -> RMSNorm:

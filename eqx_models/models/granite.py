@@ -11,11 +11,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import equinox as eqx
+import jax
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..config import DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..nn.attention import Attention, LayerInputs
-from ..nn.decoder import DecoderLayer
+from ..nn.decoder import AbstractDecoderLayer
+from ..nn.moe import mlp_for
+from ..nn.norm import RMSNorm
 from ..architecture import Architecture
 
 MULTIPLIERS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
@@ -31,18 +34,24 @@ class GraniteConfig(DecoderConfig):
     logits_scaling: float = 1.0
 
 
-class GraniteLayer(DecoderLayer):
+class GraniteLayer(AbstractDecoderLayer):
     """`x + residual_multiplier * attn(norm(x))`, then the same for the MLP."""
 
+    self_attn: Attention
+    mlp: eqx.Module | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
     residual_multiplier: float = eqx.field(static=True)
 
     def __init__(self, config: GraniteConfig, *, key: PRNGKeyArray, mlp: bool = True):
-        super().__init__(config, key=key, mlp=mlp)
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = Attention.from_config(config, key=k_attn, scale=config.attention_multiplier)
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.residual_multiplier = config.residual_multiplier
 
-    @staticmethod
-    def attention_for(config: GraniteConfig, key: PRNGKeyArray) -> Attention:
-        return Attention.from_config(config, key=key, scale=config.attention_multiplier)
+    mlp_for = staticmethod(mlp_for)
 
     def __call__(
         self, x: Float[Array, "batch seq hidden"], inputs: LayerInputs, cached=None

@@ -19,7 +19,7 @@ Phi-4-mini rotates the first `partial_rotary_factor` of each head. With a
 """
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import equinox as eqx
 import jax
@@ -27,17 +27,18 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PRNGKeyArray
 
 from ..config import ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
-from ..nn.attention import RotaryAttention
-from ..nn.decoder import DecoderLayer
+from ..nn.attention import AbstractRotaryAttention
+from ..nn.decoder import AbstractPreNormLayer
 from ..nn.linear import Linear
 from ..nn.mlp import ACTIVATIONS
+from ..nn.norm import RMSNorm
 from ..architecture import Architecture
 
 # Dropouts, and the pretraining length (moved into the rope parameters here).
 PHI3_KEYS = frozenset({"resid_pdrop", "embd_pdrop", "original_max_position_embeddings"})
 
 
-class FusedQKVAttention(RotaryAttention):
+class FusedQKVAttention(AbstractRotaryAttention):
     """Rotary attention whose queries, keys and values are one projection,
     `qkv_proj`, split by rows: every query head, then the key heads, the value heads."""
 
@@ -48,6 +49,8 @@ class FusedQKVAttention(RotaryAttention):
     head_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
+    interleave: ClassVar[bool] = False
+    sinks: ClassVar[None] = None
 
     def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray):
         k_qkv, k_o = jax.random.split(key)
@@ -84,12 +87,20 @@ class FusedGatedMLP(eqx.Module):
         return self.down_proj(ACTIVATIONS[self.hidden_act](gate) * up)
 
 
-class Phi3Layer(DecoderLayer):
+class Phi3Layer(AbstractPreNormLayer):
     """The Llama block with Phi-3's fused attention and MLP."""
 
-    @staticmethod
-    def attention_for(config: DecoderConfig, key: PRNGKeyArray) -> FusedQKVAttention:
-        return FusedQKVAttention(config, key=key)
+    self_attn: FusedQKVAttention
+    mlp: FusedGatedMLP | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = FusedQKVAttention(config, key=k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, False) if mlp else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     @staticmethod
     def mlp_for(config: DecoderConfig, key: PRNGKeyArray, sparse: bool) -> FusedGatedMLP:

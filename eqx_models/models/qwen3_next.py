@@ -46,12 +46,13 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 from ..cache import StateView
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..ops import delta_rule_step, delta_rule_token
-from ..nn.attention import Attention, LayerInputs
-from ..nn.decoder import DecoderLayer
+from ..nn.attention import AbstractAttention, LayerInputs, attend, qkvo_projections
+from ..nn.decoder import AbstractLayerBlock, AbstractPreNormLayer
 from ..nn.linear import Linear, project_together
 from ..nn.mlp import GatedMLP
-from ..nn.moe import SparseMoeBlock, dense_mlp
+from ..nn.moe import AbstractSparseMoeBlock, Experts, dense_mlp, route, router_and_experts
 from ..nn.norm import RMSNorm
+from ..nn.rope import apply_rotary
 from ..architecture import Architecture
 from .qwen3_moe import MOE_KEYS, TRAINING_KEYS, moe_fields_from_hf, moe_fields_to_hf
 
@@ -311,21 +312,32 @@ class GatedDeltaNet(eqx.Module):
         return self.out_proj(out.reshape(batch, seq, nv * dv)), new
 
 
-class GatedAttention(Attention):
+class GatedAttention(AbstractAttention):
     """Attention whose `q_proj` also gives a per-channel output gate (`sigmoid`),
     with `1 + w` per-head QK norms and partial rotary positions."""
 
+    q_proj: Linear
+    k_proj: Linear
+    v_proj: Linear
+    o_proj: Linear
+    q_norm: RMSNorm
+    k_norm: RMSNorm
+    num_heads: int = eqx.field(static=True)
+    num_kv_heads: int = eqx.field(static=True)
+    head_dim: int = eqx.field(static=True)
+
     def __init__(self, config: Qwen3NextConfig, *, key: PRNGKeyArray):
         k_attn, k_q = jax.random.split(key)
-        norm = lambda: RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True, axis="head_dim")
-        super().__init__(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
-            use_bias=config.attention_bias, qk_norms=(norm(), norm()), key=k_attn,
+        heads, kv_heads, dim, bias = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim, config.attention_bias
         )
-        self.q_proj = Linear(
-            config.hidden_size, 2 * config.num_attention_heads * config.head_dim, axes=("heads", "embed"),
-            use_bias=config.attention_bias, key=k_q,
+        _, self.k_proj, self.v_proj, self.o_proj = qkvo_projections(
+            config.hidden_size, heads, kv_heads, dim, use_bias=bias, output_bias=bias, key=k_attn
         )
+        self.q_proj = Linear(config.hidden_size, 2 * heads * dim, axes=("heads", "embed"), use_bias=bias, key=k_q)
+        norm = lambda: RMSNorm(dim, config.rms_norm_eps, unit_offset=True, axis="head_dim")
+        self.q_norm, self.k_norm = norm(), norm()
+        self.num_heads, self.num_kv_heads, self.head_dim = heads, kv_heads, dim
 
     def __call__(self, x: Float[Array, "batch seq hidden"], inputs: LayerInputs, cached=None):
         batch, seq, _ = x.shape
@@ -335,34 +347,46 @@ class GatedAttention(Attention):
         q, gate = self.q_norm(q_gate[..., :dim]), q_gate[..., dim:]
         k = self.k_norm(k.reshape(batch, seq, self.num_kv_heads, dim))
         v = v.reshape(batch, seq, self.num_kv_heads, dim).transpose(0, 2, 1, 3)
-        q = self.rotate(q.transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
-        k = self.rotate(k.transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
-        out = self.attend(q, k, v, inputs, cached) * jax.nn.sigmoid(gate)
+        q = apply_rotary(q.transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
+        k = apply_rotary(k.transpose(0, 2, 1, 3), inputs.cos, inputs.sin)
+        out = attend(q, k, v, inputs, cached, scale=dim**-0.5) * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(batch, seq, heads * dim)), (k, v)
 
 
-class Qwen3NextMoeBlock(SparseMoeBlock):
-    """Routed experts plus the shared expert, scaled by its sigmoid gate."""
+class Qwen3NextMoeBlock(AbstractSparseMoeBlock):
+    """Routed experts (top-k softmax routing as Qwen3-MoE) plus the shared expert,
+    scaled by its sigmoid gate."""
 
     float_children = ("shared_expert_gate",)  # one output: a gate, kept exact like the routers
 
+    gate: Linear
+    experts: Experts
     shared_expert: GatedMLP
     shared_expert_gate: Linear
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    norm_topk_prob: bool = eqx.field(static=True)
 
     def __init__(self, config: Qwen3NextConfig, *, key: PRNGKeyArray):
         k_moe, k_shared, k_gate = jax.random.split(key, 3)
-        super().__init__(
-            config.hidden_size, config.moe_intermediate_size, config.num_experts, config.num_experts_per_tok,
-            norm_topk_prob=config.norm_topk_prob, hidden_act=config.hidden_act, key=k_moe,
+        self.gate, self.experts = router_and_experts(
+            config.hidden_size, config.moe_intermediate_size, config.num_experts, hidden_act=config.hidden_act, key=k_moe
         )
         self.shared_expert = GatedMLP(
             config.hidden_size, config.shared_expert_intermediate_size, hidden_act=config.hidden_act, key=k_shared
         )
         self.shared_expert_gate = Linear(config.hidden_size, 1, axes=(None, "embed"), key=k_gate)
+        self.num_experts, self.top_k = config.num_experts, config.num_experts_per_tok
+        self.norm_topk_prob = config.norm_topk_prob
+
+    def route_tokens(
+        self, gate: Linear, tokens: Float[Array, "tokens hidden"]
+    ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+        return route(gate(tokens), self.top_k, self.norm_topk_prob)
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
         shared = jax.nn.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return super().__call__(x) + shared
+        return self.routed_experts(x) + shared
 
 
 def _norm(config: DecoderConfig, dim: int) -> RMSNorm:
@@ -395,24 +419,26 @@ class DeltaNetLayer(eqx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), state
 
 
-class Qwen3NextAttentionLayer(DecoderLayer):
+class Qwen3NextAttentionLayer(AbstractPreNormLayer):
     """The full-attention layer: gated attention, `1 + w` norms."""
+
+    self_attn: GatedAttention
+    mlp: eqx.Module
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
 
     def __init__(self, config: Qwen3NextConfig, sparse: bool, *, key: PRNGKeyArray):
         k_layer, k_mlp = jax.random.split(key)
-        super().__init__(config, key=k_layer, mlp=False)
-        self.mlp = _mlp(config, k_mlp, sparse)
+        k_attn, _ = jax.random.split(k_layer)
+        self.self_attn = GatedAttention(config, key=k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, sparse)
+        self.input_layernorm = _norm(config, config.hidden_size)
+        self.post_attention_layernorm = _norm(config, config.hidden_size)
 
-    @staticmethod
-    def norm_for(config: DecoderConfig, dim: int) -> RMSNorm:
-        return _norm(config, dim)
-
-    @staticmethod
-    def attention_for(config: Qwen3NextConfig, key: PRNGKeyArray) -> GatedAttention:
-        return GatedAttention(config, key=key)
+    mlp_for = staticmethod(_mlp)
 
 
-class Qwen3NextBlock(eqx.Module):
+class Qwen3NextBlock(AbstractLayerBlock):
     """One period of the layer pattern: `full_attention_interval - 1` DeltaNet
     layers, then the attention layer. Stacked over the blocks and scanned like a
     layer; its new cache entries are the attention's keys/values and the DeltaNet

@@ -1,6 +1,7 @@
 """Multi-head attention with grouped key/value heads and an optional KV cache."""
 
 import abc
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -11,7 +12,7 @@ from ..config import DecoderConfig
 from ..ops import attends_one_token
 from .linear import Linear, project_together
 from .norm import RMSNorm
-from .rope import apply_rotary
+from .rope import apply_rotary, apply_rotary_interleaved
 
 
 # Prompts longer than twice this run attention in blocks of this many queries, each
@@ -174,14 +175,41 @@ def attend(
     return out.reshape(batch, num_heads, seq, -1).transpose(0, 2, 1, 3)
 
 
-class RotaryAttention(eqx.Module):
+class AbstractAttention(eqx.Module):
+    """Self-attention as a decoder layer holds it: `attn(x, inputs, cached)` returns
+    the output and this step's keys and values, which the caller writes into the
+    cache.
+
+    `float_children` names the `Linear` children that a subclass reads other than
+    through `Linear` (by rows, per head); `eqx_models.quantize` leaves them float.
+    """
+
+    float_children: ClassVar[tuple[str, ...]] = ()
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        inputs: LayerInputs,
+        cached=None,
+    ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array]]:
+        """Attends the new tokens to the cached ones (`cached`, this layer's cache
+        view) and to each other.
+
+        Returns:
+            The output, and this step's keys and values as the cache stores them.
+        """
+
+
+class AbstractRotaryAttention(AbstractAttention):
     """What every rotary self-attention shares: rotate the queries and keys, attend
     (to the cache and the new tokens), project out with `o_proj`.
 
     Subclasses hold the projections and say how queries, keys and values come from
     the hidden states (`project`): separate `q_proj` / `k_proj` / `v_proj`
     (`Attention`), one fused `qkv_proj` (Phi-3), norms over the whole projection
-    (OLMo 2).
+    (OLMo 2). `interleave` rotates adjacent channel pairs instead of the two halves;
+    `sinks` (one logit per query head, or None) join every softmax.
     """
 
     o_proj: eqx.AbstractVar[Linear]
@@ -190,6 +218,8 @@ class RotaryAttention(eqx.Module):
     head_dim: eqx.AbstractVar[int]
     scale: eqx.AbstractVar[float]
     softcap: eqx.AbstractVar[float | None]
+    interleave: eqx.AbstractVar[bool]
+    sinks: eqx.AbstractVar[Float[Array, " heads"] | None]
 
     @abc.abstractmethod
     def project(
@@ -207,8 +237,9 @@ class RotaryAttention(eqx.Module):
         cos: Float[Array, "batch seq rotary_dim"],
         sin: Float[Array, "batch seq rotary_dim"],
     ) -> Float[Array, "batch heads seq head_dim"]:
-        """The rotary positions applied to queries or keys (split-half pairs)."""
-        return apply_rotary(x, cos, sin)
+        """The rotary positions applied to queries or keys (adjacent pairs with
+        `interleave`, else the two halves)."""
+        return apply_rotary_interleaved(x, cos, sin) if self.interleave else apply_rotary(x, cos, sin)
 
     def attend(
         self,
@@ -219,8 +250,8 @@ class RotaryAttention(eqx.Module):
         cached=None,
     ) -> Float[Array, "batch seq heads head_dim"]:
         """The rotated queries attending to the cache and the new keys (`attend`
-        with this module's scale and soft cap)."""
-        return attend(q, k, v, inputs, cached, scale=self.scale, softcap=self.softcap)
+        with this module's scale, soft cap and sinks)."""
+        return attend(q, k, v, inputs, cached, scale=self.scale, softcap=self.softcap, sinks=self.sinks)
 
     def __call__(
         self,
@@ -245,14 +276,34 @@ class RotaryAttention(eqx.Module):
         return self.o_proj(out.reshape(batch, seq, self.num_heads * self.head_dim)), (k, v)
 
 
-class Attention(RotaryAttention):
+def qkvo_projections(
+    hidden_size: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    use_bias: bool,
+    output_bias: bool,
+    key: PRNGKeyArray,
+) -> tuple[Linear, Linear, Linear, Linear]:
+    """`q_proj`, `k_proj`, `v_proj` and `o_proj` of a `num_heads` / `num_kv_heads`
+    attention, with their logical axes."""
+    kq, kk, kv, ko = jax.random.split(key, 4)
+    return (
+        Linear(hidden_size, num_heads * head_dim, axes=("heads", "embed"), use_bias=use_bias, key=kq),
+        Linear(hidden_size, num_kv_heads * head_dim, axes=("kv_heads", "embed"), use_bias=use_bias, key=kk),
+        Linear(hidden_size, num_kv_heads * head_dim, axes=("kv_heads", "embed"), use_bias=use_bias, key=kv),
+        Linear(num_heads * head_dim, hidden_size, axes=("embed", "heads"), use_bias=output_bias, key=ko),
+    )
+
+
+class Attention(AbstractRotaryAttention):
     """Self-attention with rotary positions; MHA, GQA and MQA by head counts.
 
     Attribute names mirror Hugging Face (`q_proj`, `k_proj`, `v_proj`, `o_proj`,
-    and Qwen3's `q_norm` / `k_norm` applied per head before the rotation). An
-    architecture that computes queries, keys and values differently from the same
-    weights (norms over the whole projection) subclasses it and overrides
-    `project`; one with other weights subclasses `RotaryAttention`.
+    Qwen3's `q_norm` / `k_norm` applied per head before the rotation, gpt-oss's
+    `sinks`). An architecture that computes queries, keys and values otherwise
+    subclasses `AbstractRotaryAttention` and implements `project`.
     """
 
     q_proj: Linear
@@ -261,11 +312,13 @@ class Attention(RotaryAttention):
     o_proj: Linear
     q_norm: RMSNorm | None
     k_norm: RMSNorm | None
+    sinks: Float[Array, " heads"] | None
     num_heads: int = eqx.field(static=True)
     num_kv_heads: int = eqx.field(static=True)
     head_dim: int = eqx.field(static=True)
     scale: float = eqx.field(static=True)
     softcap: float | None = eqx.field(static=True)
+    interleave: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -279,23 +332,27 @@ class Attention(RotaryAttention):
         qk_norms: tuple[eqx.Module, eqx.Module] | None = None,
         scale: float | None = None,
         softcap: float | None = None,
+        use_sinks: bool = False,
+        interleave: bool = False,
         key: PRNGKeyArray,
     ):
         """`qk_norms` are `q_norm` and `k_norm` (per head, before the rotation);
         `scale` multiplies the scores (default `head_dim ** -0.5`); `softcap` squashes
-        them to `softcap * tanh(score / softcap)` (Gemma 2)."""
-        kq, kk, kv, ko = jax.random.split(key, 4)
-        self.q_proj = Linear(hidden_size, num_heads * head_dim, axes=("heads", "embed"), use_bias=use_bias, key=kq)
-        self.k_proj = Linear(hidden_size, num_kv_heads * head_dim, axes=("kv_heads", "embed"), use_bias=use_bias, key=kk)
-        self.v_proj = Linear(hidden_size, num_kv_heads * head_dim, axes=("kv_heads", "embed"), use_bias=use_bias, key=kv)
+        them to `softcap * tanh(score / softcap)` (Gemma 2); `use_sinks` adds a sink
+        logit per query head (gpt-oss, zeros until loaded); `interleave` rotates
+        adjacent channel pairs (Cohere)."""
         output_bias = use_bias if output_bias is None else output_bias
-        self.o_proj = Linear(num_heads * head_dim, hidden_size, axes=("embed", "heads"), use_bias=output_bias, key=ko)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = qkvo_projections(
+            hidden_size, num_heads, num_kv_heads, head_dim, use_bias=use_bias, output_bias=output_bias, key=key
+        )
         self.q_norm, self.k_norm = (None, None) if qk_norms is None else qk_norms
+        self.sinks = jnp.zeros((num_heads,)) if use_sinks else None
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.softcap = softcap
+        self.interleave = interleave
 
     @classmethod
     def from_config(cls, config: DecoderConfig, *, key: PRNGKeyArray, **options) -> "Attention":
@@ -309,6 +366,9 @@ class Attention(RotaryAttention):
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
             key=key, **arguments,
         )
+
+    def array_axes(self) -> dict[str, tuple[str | None, ...]]:
+        return {"sinks": ("heads",)}
 
     def project(
         self, x: Float[Array, "batch seq hidden"]

@@ -1,5 +1,7 @@
 """The decoder layer, and the stack of layers run with `jax.lax.scan`."""
 
+import abc
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -11,9 +13,9 @@ from ..cache import KVCache
 from ..config import DecoderConfig
 from ..paged_cache import PagedKVCache
 from ..sharding import stacked_field
-from .attention import Attention, LayerInputs
+from .attention import AbstractAttention, Attention, LayerInputs
 from .linear import Embedding, layer_view
-from .moe import MixedMLP, SparseMoeBlock, mlp_for
+from .moe import AbstractSparseMoeBlock, MixedMLP, mlp_for
 from .mlp import GatedMLP
 from .norm import RMSNorm
 from .rope import RotaryEmbedding
@@ -37,48 +39,46 @@ def _positions_in_segments(segment_ids: Int[Array, "batch seq"]) -> Int[Array, "
     return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
 
 
-class DecoderLayer(eqx.Module):
-    """Pre-norm block (Llama): `x + attn(input_layernorm(x))`, then
-    `x + mlp(post_attention_layernorm(x))`.
+class AbstractDecoderLayer(eqx.Module):
+    """The contract every architecture's layer follows.
 
-    The layer contract every architecture's layer follows: built as
-    `layer(config, key=key)` (with `mlp=False` it leaves `mlp` as None, for a stack
-    that sets a `MixedMLP` after), stacked with `eqx.filter_vmap`, and called as
-    `layer(x, inputs, cached)` with the decoder's `LayerInputs` and this layer's
-    cache view, returning the new hidden states and this step's keys/values. A
-    layer with a recurrent state returns a third item: with a cache, the cache's
-    whole state with its own entries updated (`StateView`); without one, its own
-    state after the tokens.
-    `attention_for`, `mlp_for` and `norm_for` make the sublayers; a subclass that
-    changes only those overrides them.
+    Built as `layer(config, key=key)` (with `mlp=False` it leaves `mlp` as None, for
+    a stack that sets a `MixedMLP` after, built from `mlp_for`), stacked with
+    `eqx.filter_vmap`, and called as `layer(x, inputs, cached)` with the decoder's
+    `LayerInputs` and this layer's cache view, returning the new hidden states and
+    this step's keys/values. A layer with a recurrent state returns a third item:
+    with a cache, the cache's whole state with its own entries updated
+    (`StateView`); without one, its own state after the tokens.
     """
 
-    self_attn: Attention
-    mlp: GatedMLP | SparseMoeBlock | MixedMLP | None
-    input_layernorm: RMSNorm
-    post_attention_layernorm: RMSNorm
-
-    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
-        k_attn, k_mlp = jax.random.split(key)
-        self.self_attn = self.attention_for(config, k_attn)
-        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
-        self.input_layernorm = self.norm_for(config, config.hidden_size)
-        self.post_attention_layernorm = self.norm_for(config, config.hidden_size)
+    mlp: eqx.AbstractVar[eqx.Module | None]
 
     @staticmethod
-    def norm_for(config: DecoderConfig, dim: int) -> eqx.Module:
-        """The norm this layer applies over `dim` hidden channels."""
-        return RMSNorm(dim, config.rms_norm_eps)
-
-    @staticmethod
-    def attention_for(config: DecoderConfig, key: PRNGKeyArray) -> eqx.Module:
-        """This layer's attention block."""
-        return Attention.from_config(config, key=key)
-
-    @staticmethod
+    @abc.abstractmethod
     def mlp_for(config: DecoderConfig, key: PRNGKeyArray, sparse: bool) -> eqx.Module:
         """This layer's MLP when dense (`sparse=False`) or a mixture of experts."""
-        return mlp_for(config, key, sparse)
+
+    @abc.abstractmethod
+    def __call__(
+        self,
+        x: Float[Array, "batch seq hidden"],
+        inputs: LayerInputs,
+        cached=None,
+    ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array]]:
+        """The layer applied to `x`.
+
+        Returns:
+            The new hidden states and this step's keys and values.
+        """
+
+
+class AbstractPreNormLayer(AbstractDecoderLayer):
+    """Pre-norm block (Llama): `x + attn(input_layernorm(x))`, then
+    `x + mlp(post_attention_layernorm(x))`, whatever the attention, MLP and norms."""
+
+    self_attn: eqx.AbstractVar[AbstractAttention]
+    input_layernorm: eqx.AbstractVar[eqx.Module]
+    post_attention_layernorm: eqx.AbstractVar[eqx.Module]
 
     def __call__(
         self,
@@ -86,9 +86,52 @@ class DecoderLayer(eqx.Module):
         inputs: LayerInputs,
         cached=None,
     ) -> tuple[Float[Array, "batch seq hidden"], tuple[Array, Array]]:
+        """The block applied to `x`.
+
+        Returns:
+            The new hidden states and this step's keys and values.
+        """
         attn_out, new_kv = self.self_attn(self.input_layernorm(x), inputs, cached)
         x = x + attn_out
         return x + self.mlp(self.post_attention_layernorm(x)), new_kv
+
+
+class DecoderLayer(AbstractPreNormLayer):
+    """Llama's layer: `Attention`, `GatedMLP` or `SparseMoeBlock` (`mlp_for`), RMSNorm."""
+
+    self_attn: Attention
+    mlp: GatedMLP | AbstractSparseMoeBlock | MixedMLP | None
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+    def __init__(self, config: DecoderConfig, *, key: PRNGKeyArray, mlp: bool = True):
+        k_attn, k_mlp = jax.random.split(key)
+        self.self_attn = Attention.from_config(config, key=k_attn)
+        self.mlp = self.mlp_for(config, k_mlp, bool(config.sparse_layers)) if mlp else None
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    mlp_for = staticmethod(mlp_for)
+
+
+class AbstractLayerBlock(eqx.Module):
+    """Several layers stacked and scanned as one step (`DecoderConfig.layers_per_block
+    > 1`; Qwen3-Next's period of DeltaNet and attention layers): built as
+    `block(config, key=key)` and called like a layer, its cache entries one per block.
+    """
+
+    @abc.abstractmethod
+    def substack_layers(self) -> dict[str, tuple[int, ...]]:
+        """Leaves stacked over a subset of the layers: their path under the block ->
+        the layer numbers they hold, in order (for the checkpoint names)."""
+
+    @abc.abstractmethod
+    def __call__(self, x: Float[Array, "batch seq hidden"], inputs: LayerInputs, cached=None) -> tuple:
+        """The block's layers applied to `x` in turn.
+
+        Returns:
+            The new hidden states and the block's new cache entries.
+        """
 
 
 def _stack_layers(layer_cls, config: DecoderConfig, key: PRNGKeyArray):
@@ -164,9 +207,9 @@ class Decoder(eqx.Module):
         """Leaves of `layers` stacked over a subset of the layers: their path under
         `layers` -> the layer numbers they hold, in order (for the checkpoint names).
         A block of several layers says which through its own `substack_layers()`."""
-        if hasattr(self.layers, "substack_layers"):
+        if isinstance(self.layers, AbstractLayerBlock):
             return self.layers.substack_layers()
-        if isinstance(getattr(self.layers, "mlp", None), MixedMLP):
+        if isinstance(self.layers, AbstractDecoderLayer) and isinstance(self.layers.mlp, MixedMLP):
             return self.layers.mlp.substack_layers("mlp.")
         return {}
 

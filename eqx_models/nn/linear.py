@@ -1,5 +1,7 @@
 """Linear and embedding layers that store weights in the Hugging Face layout."""
 
+import abc
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,16 @@ def project_together(x: Float[Array, "*batch in"], layers: list["Linear"]) -> li
     return [l.finish(x, y) for y, l in zip(outs, layers)]
 
 
-class Linear(eqx.Module):
+class AbstractLayerSelectable(eqx.Module):
+    """A module that, stacked along a leading layers axis, gives its own view of one
+    layer (`layer_view` asks it rather than slicing its arrays)."""
+
+    @abc.abstractmethod
+    def select_layer(self, index: Int[Array, ""]) -> eqx.Module:
+        """This stacked module's layer `index`."""
+
+
+class Linear(AbstractLayerSelectable):
     """`y = x @ weight.T + bias`, with `weight` shaped `(out, in)` as in torch.
 
     Works on any leading axes, so one module serves `[batch, seq, in]` activations.
@@ -66,11 +77,11 @@ class Linear(eqx.Module):
 def layer_view(stacked, index: Int[Array, ""]):
     """Layer `index` of a tree of stacked modules (arrays with a leading layers axis).
 
-    Modules with a `select_layer(index)` method give their own view (a `Linear`
-    keeps its weight in the stack as a `LayerSlice`, so decode reads it in place);
-    every other array is sliced.
+    An `AbstractLayerSelectable` gives its own view (a `Linear` keeps its weight in
+    the stack as a `LayerSlice`, so decode reads it in place); every other array is
+    sliced.
     """
-    selects = lambda node: isinstance(node, eqx.Module) and hasattr(node, "select_layer")
+    selects = lambda node: isinstance(node, AbstractLayerSelectable)
 
     def select(node):
         if selects(node):

@@ -10,8 +10,10 @@ decode each used expert is one block; blocks past the last used one are skipped.
 No token is dropped.
 """
 
+import abc
 import math
 from collections.abc import Callable
+from typing import ClassVar
 
 import equinox as eqx
 import jax
@@ -24,24 +26,53 @@ from ..config import DecoderConfig
 from ..ops import LayerSlice, project, project_many
 from ..quantized import QuantizedWeight
 from ..sharding import stacked_field
-from .linear import Linear, layer_view
+from .linear import AbstractLayerSelectable, Linear, layer_view
 from .mlp import ACTIVATIONS, GatedMLP
 
 MAX_BLOCK_ROWS = 128
 
 
-class Experts(eqx.Module):
+class AbstractExperts(eqx.Module):
+    """`num_experts` feed-forward blocks whose weights are stacked along a leading
+    `experts` axis, as an MoE block reads them: the arrays, and one expert applied
+    to rows with them."""
+
+    @abc.abstractmethod
+    def arrays(self) -> list[tuple[Array | LayerSlice, tuple[str | None, ...]]]:
+        """The `[experts, ...]` arrays `forward` reads, each with the logical axes of
+        its per-expert part (for splitting them over a mesh)."""
+
+    @abc.abstractmethod
+    def forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
+        """Expert `expert` applied to the rows `h`; `arrays` are `arrays()`'s arrays
+        (or each device's part of them)."""
+
+
+class Experts(AbstractExperts):
     """`num_experts` gated MLPs whose weights are stacked `[experts, out, in]`."""
 
     gate_proj: Linear = stacked_field("experts")
     up_proj: Linear = stacked_field("experts")
     down_proj: Linear = stacked_field("experts")
+    hidden_act: str = eqx.field(static=True)
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, *, key: PRNGKeyArray):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, hidden_act: str = "silu", key: PRNGKeyArray
+    ):
         mlps = eqx.filter_vmap(lambda k: GatedMLP(hidden_size, intermediate_size, key=k))(
             jax.random.split(key, num_experts)
         )
         self.gate_proj, self.up_proj, self.down_proj = mlps.gate_proj, mlps.up_proj, mlps.down_proj
+        self.hidden_act = hidden_act
+
+    def arrays(self) -> list[tuple[Array | LayerSlice, tuple[str | None, ...]]]:
+        return [(self.gate_proj.weight, ("mlp", "embed")), (self.up_proj.weight, ("mlp", "embed")),
+                (self.down_proj.weight, ("embed", "mlp"))]
+
+    def forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
+        gate_w, up_w, down_w = arrays
+        gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
+        return project(ACTIVATIONS[self.hidden_act](gate) * up, _expert_weight(down_w, expert))
 
 
 def _expert_weight(weight: Array | QuantizedWeight | LayerSlice, expert: Int[Array, ""]) -> LayerSlice:
@@ -94,65 +125,45 @@ def expert_blocks(
     return rows, block_expert.astype(jnp.int32), used
 
 
-class SparseMoeBlock(eqx.Module):
-    """Router (`gate`) plus `experts`, HF's `Qwen3MoeSparseMoeBlock` / Mixtral's block."""
+class AbstractSparseMoeBlock(eqx.Module):
+    """What every mixture-of-experts block shares: each token routed to `top_k` of
+    the `experts` by the router `gate`, the experts run over blocks of assignments
+    (on a mesh, each device its own experts), their outputs weighed and summed
+    (`routed_experts`).
 
-    gate: Linear
-    experts: Experts
-    num_experts: int = eqx.field(static=True)
-    top_k: int = eqx.field(static=True)
-    norm_topk_prob: bool = eqx.field(static=True)
-    hidden_act: str = eqx.field(static=True)
+    Subclasses say how tokens are routed (`route_tokens`) and what the block adds
+    around the routed experts (`__call__`: shared experts, biases). `float_children`
+    names `Linear` children that `eqx_models.quantize` leaves float.
+    """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        intermediate_size: int,
-        num_experts: int,
-        top_k: int,
-        *,
-        norm_topk_prob: bool,
-        hidden_act: str = "silu",
-        key: PRNGKeyArray,
-    ):
-        k_gate, k_experts = jax.random.split(key)
-        self.gate = Linear(hidden_size, num_experts, axes=("router", "embed"), key=k_gate)
-        self.experts = Experts(num_experts, hidden_size, intermediate_size, key=k_experts)
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.norm_topk_prob = norm_topk_prob
-        self.hidden_act = hidden_act
+    float_children: ClassVar[tuple[str, ...]] = ()
 
+    gate: eqx.AbstractVar[eqx.Module]
+    experts: eqx.AbstractVar[AbstractExperts]
+    num_experts: eqx.AbstractVar[int]
+    top_k: eqx.AbstractVar[int]
+
+    @abc.abstractmethod
+    def route_tokens(
+        self, gate: eqx.Module, tokens: Float[Array, "tokens hidden"]
+    ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+        """Each token's experts and their weights, from the router `gate` (this
+        layer's, its weights whole)."""
+
+    @abc.abstractmethod
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
+        """The block's output: the routed experts' (`routed_experts`) and whatever
+        the family adds."""
+
+    def routed_experts(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
+        """Each token's `top_k` experts' outputs, weighted by the router and summed."""
         placement = sharding.current()
         if placement is not None and placement.num_devices > 1:
             return self._on_mesh(x, placement)
         tokens = x.reshape(-1, x.shape[-1])
         weights, chosen = self.route_tokens(self.gate, tokens)
-        stacks = tuple(array for array, _ in self.expert_arrays())
+        stacks = tuple(array for array, _ in self.experts.arrays())
         return self._run_experts(tokens, weights, chosen, stacks, self.num_experts).reshape(x.shape)
-
-    def route_tokens(
-        self, gate: eqx.Module, tokens: Float[Array, "tokens hidden"]
-    ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
-        """Each token's experts and their weights, from the router `gate` (this
-        layer's, its weights whole): a softmax over `gate(tokens)`, the `top_k`
-        largest, renormalised with `norm_topk_prob`."""
-        return route(gate(tokens), self.top_k, self.norm_topk_prob)
-
-    def expert_arrays(self) -> list[tuple[Array | LayerSlice, tuple[str | None, ...]]]:
-        """The `[experts, ...]` arrays `expert_forward` reads, each with the logical
-        axes of its per-expert part (for splitting them over a mesh)."""
-        experts = self.experts
-        return [(experts.gate_proj.weight, ("mlp", "embed")), (experts.up_proj.weight, ("mlp", "embed")),
-                (experts.down_proj.weight, ("embed", "mlp"))]
-
-    def expert_forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
-        """Expert `expert` applied to the rows `h`; `arrays` are `expert_arrays()`'s
-        arrays (or each device's part of them)."""
-        gate_w, up_w, down_w = arrays
-        gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
-        return project(ACTIVATIONS[self.hidden_act](gate) * up, _expert_weight(down_w, expert))
 
     def _run_experts(self, tokens, weights, chosen, stacks, num_experts: int, *, local_experts: int | None = None):
         """Each token's `top_k` experts' outputs, weighted and summed. With
@@ -175,7 +186,7 @@ class SparseMoeBlock(eqx.Module):
             index, token_rows, expert = block
 
             def compute():
-                return self.expert_forward(padded[token_rows], expert, stacks)
+                return self.experts.forward(padded[token_rows], expert, stacks)
 
             out = jax.lax.cond(
                 index < used, compute, lambda: _zeros_varying_like((token_rows.shape[0], hidden), tokens.dtype, padded, *stacks)
@@ -209,7 +220,7 @@ class SparseMoeBlock(eqx.Module):
         token_spec = placement.spec(("batch",) + (None,) * (x.ndim - 1), x.shape)
         token_axes = _axes(_entry(token_spec, 0))
         weights, axes, splits = [], [], []
-        for weight, own in self.expert_arrays():
+        for weight, own in self.experts.arrays():
             weight = weight.materialize() if isinstance(weight, LayerSlice) else weight
             own = ("experts",) + tuple(None if a == "embed" else a for a in own)  # whole rows of `embed` each
             # A quantized stack splits by its count of groups (see sharding.partition_specs).
@@ -301,6 +312,53 @@ def _entry(spec: PartitionSpec, axis: int):
     return spec[axis] if axis < len(spec) else None
 
 
+def router_and_experts(
+    hidden_size: int, intermediate_size: int, num_experts: int, *, hidden_act: str, key: PRNGKeyArray
+) -> tuple[Linear, Experts]:
+    """A router `Linear` (`[experts, hidden]`, no bias) and `num_experts` gated MLPs."""
+    k_gate, k_experts = jax.random.split(key)
+    gate = Linear(hidden_size, num_experts, axes=("router", "embed"), key=k_gate)
+    return gate, Experts(num_experts, hidden_size, intermediate_size, hidden_act=hidden_act, key=k_experts)
+
+
+class SparseMoeBlock(AbstractSparseMoeBlock):
+    """Router (`gate`) plus `experts`, HF's `Qwen3MoeSparseMoeBlock` / Mixtral's block:
+    a softmax over the router's logits, the `top_k` largest, renormalised with
+    `norm_topk_prob`."""
+
+    gate: Linear
+    experts: Experts
+    num_experts: int = eqx.field(static=True)
+    top_k: int = eqx.field(static=True)
+    norm_topk_prob: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        norm_topk_prob: bool,
+        hidden_act: str = "silu",
+        key: PRNGKeyArray,
+    ):
+        self.gate, self.experts = router_and_experts(
+            hidden_size, intermediate_size, num_experts, hidden_act=hidden_act, key=key
+        )
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+
+    def route_tokens(
+        self, gate: eqx.Module, tokens: Float[Array, "tokens hidden"]
+    ) -> tuple[Float[Array, "tokens top_k"], Int[Array, "tokens top_k"]]:
+        return route(gate(tokens), self.top_k, self.norm_topk_prob)
+
+    def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
+        return self.routed_experts(x)
+
+
 def dense_mlp(config: DecoderConfig, key: PRNGKeyArray) -> GatedMLP:
     """A layer's dense feed-forward block as `config` describes it."""
     return GatedMLP(
@@ -326,7 +384,7 @@ def mlp_for(config: DecoderConfig, key: PRNGKeyArray, sparse: bool) -> GatedMLP 
     return sparse_mlp(config, key) if sparse else dense_mlp(config, key)
 
 
-class MixedMLP(eqx.Module):
+class MixedMLP(AbstractLayerSelectable):
     """The MLPs of a layer stack in which only some layers are sparse (Qwen3-MoE's
     `mlp_only_layers` / `decoder_sparse_step`).
 
@@ -337,7 +395,7 @@ class MixedMLP(eqx.Module):
     """
 
     dense: GatedMLP
-    sparse: SparseMoeBlock
+    sparse: AbstractSparseMoeBlock
     sparse_layers: tuple[int, ...] = eqx.field(static=True)
     num_layers: int = eqx.field(static=True)
 
@@ -383,7 +441,7 @@ class MixedMLPLayer(eqx.Module):
     """One layer of a `MixedMLP`: both kinds' views, and which one this layer is."""
 
     dense: GatedMLP
-    sparse: SparseMoeBlock
+    sparse: AbstractSparseMoeBlock
     is_sparse: Array
 
     def __call__(self, x: Float[Array, "*batch hidden"]) -> Float[Array, "*batch hidden"]:
