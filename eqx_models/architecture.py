@@ -32,10 +32,14 @@ class Architecture:
         config_to_hf: `DecoderConfig` -> HF config dict, for `save_pretrained`.
         title: the family's name in the docs and tables (`"Qwen3"`).
         summary: what differs from Llama, in a few words (for the tables).
-        layer: the decoder layer class, called as `layer(config, key=key)` and
+        layer: the decoder layer class, built as `layer(config, key=key)` and
             stacked with `eqx.filter_vmap`; None for the shared
-            `eqx_models.nn.DecoderLayer`. It may be any module with that class's
-            call signature (see `DecoderLayer.__call__`).
+            `eqx_models.nn.DecoderLayer`. It is a final subclass of
+            `eqx_models.nn.AbstractDecoderLayer` (also built with `mlp=False`, its
+            `mlp` then set from its static `mlp_for(config, key, sparse)` when only
+            some layers are sparse, and called as `layer(x, inputs, cached)`), or,
+            when `DecoderConfig.layers_per_block > 1`, of
+            `eqx_models.nn.AbstractLayerBlock` (several layers scanned as one step).
         norm: `norm(config, dim)` -> the final norm after the stack; None for
             RMSNorm with `rms_norm_eps`.
         embed_scale: `embed_scale(config)` -> a factor on the embedding output, or

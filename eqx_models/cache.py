@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
+from .axes import AbstractHasArrayAxes
 from .config import DecoderConfig
 from .ops import decode_attention, index_layer, write_slots
 
@@ -144,7 +145,7 @@ class LayerKV(eqx.Module):
         )
 
 
-class KVCache(eqx.Module):
+class KVCache(AbstractHasArrayAxes):
     """Keys and values of every layer, preallocated for `max_length` slots.
 
     Slots are written left to right, the same number per call for every row;

@@ -19,13 +19,14 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PRNGKeyArray
+from jaxtyping import Array, Float, PRNGKeyArray
 from safetensors.numpy import load_file, save_file
 
+from .axes import AbstractHasArrayAxes
 from .checkpoint import hf_tensor_names, leaf_name
 from .models import architecture_for
 from .nn.linear import Linear
-from .ops import index_layer, project
+from .ops import project
 from .quantized import QuantizedWeight, quantize_weight
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -33,7 +34,7 @@ ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
 
 
-class LoraLinear(eqx.Module):
+class LoraLinear(AbstractHasArrayAxes):
     """`base(x) + scaling * (x @ lora_A.T) @ lora_B.T`.
 
     `lora_A` is `[*layers, rank, in]` and `lora_B` `[*layers, out, rank]`, with the
@@ -65,10 +66,6 @@ class LoraLinear(eqx.Module):
         y = self.base.finish(x, y)
         low = jnp.einsum("...i,ri->...r", x, self.lora_A.astype(x.dtype))
         return (y + self.scaling * jnp.einsum("...r,or->...o", low, self.lora_B.astype(x.dtype))).astype(x.dtype)
-
-    def select_layer(self, index: Int[Array, ""]) -> "LoraLinear":
-        take = lambda a: index_layer(a, index)
-        return LoraLinear(self.base.select_layer(index), take(self.lora_A), take(self.lora_B), self.scaling)
 
 
 def _linear_paths(model) -> list[tuple[str, tuple]]:

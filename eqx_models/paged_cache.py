@@ -10,6 +10,7 @@ import equinox as eqx
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
+from .axes import AbstractHasArrayAxes
 from .cache import StateView, _check_scales, quantize_rows, read_rows, resolve_cache_dtype, round_as_stored
 from .ops import gather_pages, paged_decode_attention, write_pages
 
@@ -66,7 +67,7 @@ class PagedLayerKV(eqx.Module):
         )
 
 
-class PagedKVCache(eqx.Module):
+class PagedKVCache(AbstractHasArrayAxes):
     """Keys and values in a pool of pages, with a block table per row.
 
     Row `b`'s token at position `p` lives in page `block_tables[b, p // page_size]`

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, Shaped
 
+from .axes import AbstractHasArrayAxes
+
 GROUP_SIZES = (32, 64, 128)
 SCALE_DTYPES = (jnp.float16, jnp.bfloat16)
 ACTIVATIONS = ("int8", "float")
@@ -76,7 +78,7 @@ def _quantize_activations_jvp(primals, tangents):
     return quantize_activations(*primals), tangents[0].astype(jnp.float32)
 
 
-class QuantizedWeight(eqx.Module):
+class QuantizedWeight(AbstractHasArrayAxes):
     """A `(out, in)` weight held as integers and one scale per group of inputs.
 
     Leading axes (a stack of layers or experts) may precede both arrays.

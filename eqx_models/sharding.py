@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from .axes import AbstractHasArrayAxes
 from .quantized import QuantizedWeight, relayout
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
@@ -206,11 +207,12 @@ def check_mesh(mesh: Mesh) -> None:
 
 # ---------------------------------------------------------------- logical axes
 
-# Every module that holds arrays declares their logical axes beside them, in an
-# `array_axes()` method: field name -> axes of one array as the module would hold
-# it alone (one layer, one expert). A field declared with `stacked_field(axis)`
-# holds modules built by `eqx.filter_vmap`, whose arrays all carry a leading `axis`
-# (the decoder's `layers`, an MoE block's `experts`).
+# Every module that holds arrays declares their logical axes beside them: it extends
+# `AbstractHasArrayAxes` (eqx_models.axes) and implements `array_axes()`, field name
+# -> axes of one array as the module would hold it alone (one layer, one expert). A
+# field declared with `stacked_field(axis)` holds modules built by `eqx.filter_vmap`,
+# whose arrays all carry a leading `axis` (the decoder's `layers`, an MoE block's
+# `experts`).
 STACKED_AXIS = "eqx_models_stacked_axis"
 
 
@@ -242,7 +244,7 @@ def _path_name(path) -> str:
 def _declared_axes(node, leading: tuple[str, ...], path: tuple, found: dict) -> None:
     """Fills `found[path] = axes` for every array under `node`."""
     if isinstance(node, eqx.Module):
-        own = node.array_axes() if hasattr(node, "array_axes") else {}
+        own = node.array_axes() if isinstance(node, AbstractHasArrayAxes) else {}
         for field in dataclasses.fields(node):
             if field.metadata.get("static"):
                 continue
@@ -262,8 +264,8 @@ def _declared_axes(node, leading: tuple[str, ...], path: tuple, found: dict) -> 
         return
     if _array_like(node):
         raise ValueError(
-            f"No logical axes declared for the array at {_path_name(path)} (shape {node.shape}); declare them in "
-            "the array_axes() method of the module that holds it."
+            f"No logical axes declared for the array at {_path_name(path)} (shape {node.shape}); the module that "
+            "holds it should extend AbstractHasArrayAxes (eqx_models.axes) and declare them in its array_axes()."
         )
     if isinstance(node, (list, tuple)):
         for i, child in enumerate(node):

@@ -13,6 +13,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from eqx_models import CausalLM, from_pretrained, supported_model_types
+from eqx_models.axes import AbstractHasArrayAxes
 from eqx_models.cli import main
 from eqx_models.memory import memory_plan
 from eqx_models.models import architecture_for
@@ -127,7 +128,7 @@ def test_axes_come_from_the_modules_that_hold_the_arrays():
     with pytest.raises(ValueError, match="No logical axes declared for the array at sinks"):
         logical_axes(Sinks(jnp.zeros(4)))
 
-    class Wrong(eqx.Module):
+    class Wrong(AbstractHasArrayAxes):
         weight: jax.Array
 
         def array_axes(self):

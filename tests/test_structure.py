@@ -16,6 +16,7 @@ import equinox as eqx
 import pytest
 
 import eqx_models
+from eqx_models.axes import AbstractHasArrayAxes
 
 
 def _modules() -> list:
@@ -97,9 +98,17 @@ def test_an_abstract_class_is_named_so(cls):
     assert cls.__name__.startswith("Abstract"), f"{_name(cls)} is abstract: name it Abstract{cls.__name__}."
 
 
+@pytest.mark.parametrize("cls", [c for c in CLASSES if "array_axes" in vars(c)], ids=_name)
+def test_a_module_declaring_array_axes_extends_the_base(cls):
+    """Sharding reads `array_axes()` only from an `AbstractHasArrayAxes`: on any other
+    module the method would be ignored, and its arrays reported as undeclared."""
+    assert issubclass(cls, AbstractHasArrayAxes), f"{_name(cls)} defines array_axes: extend AbstractHasArrayAxes."
+
+
 PACKAGE = Path(eqx_models.__file__).parent
+# The blocks, the caches, and the code that walks them (sharding).
 BLOCK_SOURCES = sorted([*(PACKAGE / "nn").glob("*.py"), *(PACKAGE / "models").glob("*.py"),
-                        PACKAGE / "cache.py", PACKAGE / "paged_cache.py"])
+                        PACKAGE / "cache.py", PACKAGE / "paged_cache.py", PACKAGE / "sharding.py"])
 
 
 @pytest.mark.parametrize("path", BLOCK_SOURCES, ids=lambda p: p.relative_to(PACKAGE).as_posix())

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..axes import AbstractHasArrayAxes
 from ..config import CacheLayout, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..nn.attention import AbstractAttention, LayerInputs, attend
 from ..nn.decoder import AbstractPreNormLayer
@@ -203,7 +204,7 @@ class MultiHeadLatentAttention(AbstractAttention):
         return self.o_proj(out.reshape(batch, seq, heads * self.value_dim)), (new_keys, latent[..., :0])
 
 
-class DeepseekRouter(eqx.Module):
+class DeepseekRouter(AbstractHasArrayAxes):
     """The router's logits weight and the bias that only steers the choice."""
 
     weight: Float[Array, "experts hidden"]

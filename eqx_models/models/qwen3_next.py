@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
+from ..axes import AbstractHasArrayAxes
 from ..cache import StateView
 from ..config import AttentionKind, ConfigError, DecoderConfig, decoder_config_from_hf, decoder_config_to_hf
 from ..ops import delta_rule_step, delta_rule_token
@@ -119,7 +120,7 @@ class Qwen3NextConfig(DecoderConfig):
         return member in self.sparse_layers
 
 
-class DeltaNetState(eqx.Module):
+class DeltaNetState(AbstractHasArrayAxes):
     """The linear-attention layers' state in a cache: per block, row and layer of
     the block, the convolution's last inputs and the float32 recurrent state."""
 
@@ -133,7 +134,7 @@ class DeltaNetState(eqx.Module):
         }
 
 
-class DepthwiseConv(eqx.Module):
+class DepthwiseConv(AbstractHasArrayAxes):
     """The convolution's weight in the checkpoint's shape `[channels, 1, taps]`."""
 
     weight: Float[Array, "channels 1 taps"]
@@ -194,7 +195,7 @@ def gated_delta_rule(
     return out.swapaxes(0, 1), state
 
 
-class GatedRMSNorm(eqx.Module):
+class GatedRMSNorm(AbstractHasArrayAxes):
     """RMSNorm of each head's output (the weight applied in the input dtype), then
     times `silu(gate)` in float32."""
 
@@ -215,7 +216,7 @@ class GatedRMSNorm(eqx.Module):
         return (scaled * jax.nn.silu(gate.astype(jnp.float32))).astype(x.dtype)
 
 
-class GatedDeltaNet(eqx.Module):
+class GatedDeltaNet(AbstractHasArrayAxes):
     """The linear-attention token mixer (see the module docstring); HF's weight names."""
 
     in_proj_qkvz: Linear

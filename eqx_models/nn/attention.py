@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
+from ..axes import AbstractHasArrayAxes
 from ..config import DecoderConfig
 from ..ops import attends_one_token
 from .linear import Linear, project_together
@@ -297,7 +298,7 @@ def qkvo_projections(
     )
 
 
-class Attention(AbstractRotaryAttention):
+class Attention(AbstractRotaryAttention, AbstractHasArrayAxes):
     """Self-attention with rotary positions; MHA, GQA and MQA by head counts.
 
     Attribute names mirror Hugging Face (`q_proj`, `k_proj`, `v_proj`, `o_proj`,

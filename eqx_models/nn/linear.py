@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
 
+from ..axes import AbstractHasArrayAxes
 from ..ops import LayerSlice, Weight, index_layer, project, project_many, take_rows
 from ..quantized import QuantizedWeight
 
@@ -29,7 +30,7 @@ class AbstractLayerSelectable(eqx.Module):
         """This stacked module's layer `index`."""
 
 
-class Linear(AbstractLayerSelectable):
+class Linear(AbstractLayerSelectable, AbstractHasArrayAxes):
     """`y = x @ weight.T + bias`, with `weight` shaped `(out, in)` as in torch.
 
     Works on any leading axes, so one module serves `[batch, seq, in]` activations.
@@ -93,7 +94,7 @@ def layer_view(stacked, index: Int[Array, ""]):
     return jax.tree.map(select, stacked, is_leaf=selects)
 
 
-class Embedding(eqx.Module):
+class Embedding(AbstractHasArrayAxes):
     """Token embedding table shaped `(vocab, hidden)`.
 
     With a `scale` (Gemma's `sqrt(hidden_size)`, Granite's `embedding_multiplier`)

@@ -5,8 +5,10 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ..axes import AbstractHasArrayAxes
 
-class RMSNorm(eqx.Module):
+
+class RMSNorm(AbstractHasArrayAxes):
     """RMSNorm over the last axis, computed in float32 like `transformers`.
 
     The statistics are taken in float32; the normalised activations are cast back
@@ -51,7 +53,7 @@ class RMSNorm(eqx.Module):
         return self.weight.astype(x.dtype) * normed.astype(x.dtype)
 
 
-class LayerNorm(eqx.Module):
+class LayerNorm(AbstractHasArrayAxes):
     """Layer normalisation over the last axis without a bias (Cohere), in float32:
     the mean is subtracted, the variance divided out, the weight multiplied, then
     the result cast back to the input dtype."""
