@@ -5,10 +5,12 @@ default backend, the platform the model is traced for.
 
 - `cpu` (`backends/cpu/`): C++ kernels through XLA's FFI that read each layer in
   place, compiled the first time a model on the CPU needs them.
-- any other platform (`tpu`, `gpu`, ...): the reference ops in plain XLA
-  (`backends/xla.py`, as `Generic`). A platform's own kernels (Pallas on TPU,
-  Pallas / Triton on GPU) go in its own module here, as a final `Backend`
-  subclass listed in `_BACKENDS`.
+- `tpu` (`backends/tpu/`): Pallas kernels where they pay (decode attention over
+  the live part of the cache), XLA's own operations elsewhere.
+- any other platform (`gpu`, ...): the reference ops in plain XLA
+  (`backends/xla.py`, as `Generic`). A platform's own kernels (Pallas / Triton on
+  a GPU) go in its own module here, as a final `Backend` subclass listed in
+  `_BACKENDS`.
 """
 
 import functools
@@ -18,8 +20,9 @@ import jax
 from .base import Backend
 from .cpu import Cpu
 from .generic import Generic
+from .tpu import Tpu
 
-_BACKENDS: dict[str, type[Backend]] = {"cpu": Cpu}
+_BACKENDS: dict[str, type[Backend]] = {"cpu": Cpu, "tpu": Tpu}
 
 
 @functools.cache

@@ -1,0 +1,131 @@
+"""Correctness on the accelerator, in one command: the TPU backend's kernels against
+the reference ops on the chip, greedy tokens of a float32 model on the chip
+against the same model on the host's CPU, and logits against `transformers`
+(float32 at `jax.default_matmul_precision("highest")`, and bfloat16).
+
+Run on the TPU machine (CI has no TPU; the kernels are also tested there in
+Pallas' interpreter, `tests/test_tpu_kernels.py`):
+
+    python benchmarks/tpu_check.py        # writes benchmarks/results/tpu_check.json, exits 1 on a failure
+
+The `transformers` part runs where `torch` and `transformers` import.
+"""
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_models
+from eqx_models.backends import active_backend, xla
+from eqx_models.backends.tpu import attention
+
+RESULTS = Path(__file__).resolve().parent / "results"
+# A small Qwen3 with the head size of the real ones (the attention kernel's lanes).
+TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6,
+            tie_word_embeddings=True)
+
+
+def check_attention_kernel() -> list[dict]:
+    """The Pallas decode attention against the reference, float32 and bfloat16 caches."""
+    rows = []
+    rng = np.random.default_rng(0)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for kv_seq, spans in [(256, [(0, 129), (5, 256), (130, 131), (0, 0)]), (4096, [(0, 4096), (700, 2100)])]:
+            batch, kv_heads, groups, head_dim = len(spans), 8, 2, 128
+            normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+            slots = np.arange(kv_seq)
+            valid = jnp.asarray([(slots >= s) & (slots < e) for s, e in spans])
+            self_valid = jnp.asarray([b % 3 != 1 for b in range(batch)])
+            args = (normal(batch, kv_heads, groups, head_dim), normal(2, batch, kv_heads, kv_seq, head_dim).astype(dtype),
+                    normal(2, batch, kv_heads, kv_seq, head_dim).astype(dtype), jnp.int32(1), valid, self_valid,
+                    normal(batch, kv_heads, head_dim).astype(dtype), normal(batch, kv_heads, head_dim).astype(dtype),
+                    normal(kv_heads, groups))
+            with jax.default_matmul_precision("highest"):
+                got = np.asarray(jax.jit(lambda *a: attention.decode_attention(*a, 0.088))(*args))
+                none = jnp.zeros((0,), jnp.float32)
+                want = np.asarray(jax.jit(lambda *a: xla.decode_attention(*a, none, none, 0.088))(*args))
+            live = np.asarray(valid.any(axis=1) | self_valid)  # rows with nothing to see are padding
+            error = float(np.abs(got - want)[live].max())
+            rows.append({"check": "decode_attention", "dtype": jnp.dtype(dtype).name, "kv_seq": kv_seq,
+                         "max_abs_error": error, "ok": error < 1e-4})
+    return rows
+
+
+def check_tokens_against_the_cpu() -> dict:
+    """Greedy tokens of one float32 model on the chip and on the host's CPU."""
+    config = eqx_models.DecoderConfig(model_type="qwen3", use_qk_norm=True, **TINY)
+    model = eqx_models.CausalLM(config, key=jax.random.key(1))
+    model = jax.tree.map(lambda a: a * 8 if eqx_is_weight(a) else a, model)  # logits far from ties
+    prompts = np.random.default_rng(2).integers(0, TINY["vocab_size"], (4, 100))
+    with jax.default_matmul_precision("highest"):
+        on_chip = eqx_models.generate(model, prompts, max_new_tokens=60, eos_token_id=[])
+        cpu = jax.devices("cpu")[0]
+        with jax.default_device(cpu):
+            on_cpu = eqx_models.generate(jax.device_put(model, cpu), prompts, max_new_tokens=60, eos_token_id=[])
+    same = float((on_chip == on_cpu).mean())
+    return {"check": "greedy tokens, float32, chip vs host CPU", "tokens": int(on_chip.size), "fraction_equal": same,
+            "ok": same == 1.0}
+
+
+def eqx_is_weight(a) -> bool:
+    return isinstance(a, jax.Array) and a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating)
+
+
+def check_against_transformers() -> list[dict]:
+    """Logits of a `transformers` Qwen3 (random weights, saved and loaded) on the chip."""
+    try:
+        import torch
+        import transformers
+    except ImportError as missing:
+        return [{"check": "transformers", "skipped": f"not installed here ({missing.name})", "ok": True}]
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3Config(**TINY, attn_implementation="eager")
+    reference = transformers.Qwen3ForCausalLM(hf_config).eval()
+    ids = np.random.default_rng(3).integers(0, TINY["vocab_size"], (2, 64))
+    with torch.no_grad():
+        want = reference(torch.asarray(ids)).logits.numpy()
+        greedy = reference.generate(torch.asarray(ids), max_new_tokens=24, do_sample=False)[:, 64:].numpy()
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        reference.save_pretrained(folder)
+        for dtype, tolerance in (("float32", 1e-4), ("bfloat16", None)):
+            model = eqx_models.from_pretrained(folder, dtype=dtype)
+            with jax.default_matmul_precision("highest"):
+                logits = np.asarray(model(ids)[0], np.float32)
+                tokens = eqx_models.generate(model, ids, max_new_tokens=24, eos_token_id=[])
+            error = float(np.abs(logits - want).max())
+            # bfloat16: about three significant digits per operation, over a few layers.
+            limit = tolerance if tolerance is not None else 0.05 * float(np.abs(want).max())
+            row = {"check": "logits vs transformers", "dtype": dtype, "max_abs_error": error, "limit": limit,
+                   "max_abs_logit": float(np.abs(want).max()), "ok": error <= limit}
+            if dtype == "float32":
+                row["greedy_tokens_equal"] = bool((tokens == greedy).all())
+                row["ok"] = row["ok"] and row["greedy_tokens_equal"]
+            rows.append(row)
+    return rows
+
+
+def main() -> int:
+    device = jax.devices()[0]
+    rows = check_attention_kernel() if jax.default_backend() == "tpu" else []
+    rows.append(check_tokens_against_the_cpu())
+    rows.extend(check_against_transformers())
+    for row in rows:
+        print(json.dumps(row))
+    result = {"benchmark": "tpu_check", "device": device.device_kind, "backend": active_backend().name,
+              "jax": jax.__version__, "rows": rows, "ok": all(row["ok"] for row in rows)}
+    RESULTS.mkdir(exist_ok=True)
+    output = RESULTS / "tpu_check.json"
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'all passed' if result['ok'] else 'FAILED'}; wrote {output}")
+    return 0 if result["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

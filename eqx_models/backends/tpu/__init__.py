@@ -1,0 +1,67 @@
+"""The TPU backend: Pallas kernels where one pays, the reference XLA ops elsewhere.
+
+- one token's attention to the dense cache (`attention.py`): reads each row's
+  live blocks of slots only, the layer's slice in place.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array
+
+from .. import xla
+from ..base import Backend
+from ..generic import index_layer, take_rows
+from . import attention
+
+
+def _decode_attention(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales,
+                      value_scales, scale):
+    args = (query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks)
+    reference = lambda *args: xla.decode_attention(*args, key_scales, value_scales, scale)
+    if not attention.fits(query, key_stack, value_stack, new_value, key_scales, value_scales):
+        return reference(*args)
+    kernel = lambda *args: attention.decode_attention(*args, scale)
+    # Arrays placed on the host's CPU of a TPU machine lower for the CPU: the reference.
+    return jax.lax.platform_dependent(*args, tpu=kernel, default=reference)
+
+
+class Tpu(Backend):
+    """A TPU: XLA's own matmuls (they read a scanned layer's weights in place),
+    the Pallas decode attention over the live part of the cache."""
+
+    name = "tpu"
+
+    def reads_layers_in_place(self, x: Array, stack) -> bool:
+        return False
+
+    def headwise_in_place(self, rows: int, stack: Array) -> bool:
+        return False
+
+    def joins_products(self, x: Array) -> bool:
+        return False  # joining copies the weights; a matmul per weight reads them where they lie
+
+    def attends_one_token(self, cache_dtype, softcap: float | None) -> bool:
+        return softcap is None and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16)
+
+    def decode_steps_per_call(self) -> int:
+        # The host waits for each donating step to finish before it launches the
+        # next (about 0.5 ms of idle chip a call on a v5e, a quarter of a small
+        # model's step); sixteen steps a call still stream tokens every few tens
+        # of milliseconds.
+        return 16
+
+    def prefers_quantized_tiles(self) -> bool:
+        return False
+
+    stacked_matvecs = staticmethod(xla.stacked_matvecs)
+    quantized_matvecs = staticmethod(xla.quantized_matvecs)
+    decode_attention = staticmethod(_decode_attention)
+    paged_decode_attention = staticmethod(xla.paged_decode_attention)
+    index_layer = staticmethod(index_layer)
+    take_rows = staticmethod(take_rows)
+    gather_pages = staticmethod(xla.gather_pages)
+    greedy_rows = staticmethod(xla.greedy_rows)
+    write_slots = staticmethod(xla.write_slots)
+    write_pages = staticmethod(xla.write_pages)
+    delta_rule_step = staticmethod(xla.delta_rule_step)
+    headwise_matvec = staticmethod(xla.headwise_matvec)

@@ -1,0 +1,84 @@
+"""The TPU backend's Pallas kernels against the reference ops, run by Pallas' TPU
+interpreter (on the CPU, in CI); on the chip itself `benchmarks/tpu_check.py`."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from eqx_models.backends import xla
+from eqx_models.backends.tpu import attention
+
+
+def _case(rng, layers, batch, kv_heads, groups, kv_seq, head_dim, dtype, starts, ends):
+    """Random query and caches; row `b` may see slots `[starts[b], ends[b])`."""
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    slots = np.arange(kv_seq)
+    valid = jnp.asarray([(slots >= s) & (slots < e) for s, e in zip(starts, ends)])
+    return dict(
+        query=normal(batch, kv_heads, groups, head_dim),
+        key_stack=normal(layers, batch, kv_heads, kv_seq, head_dim).astype(dtype),
+        value_stack=normal(layers, batch, kv_heads, kv_seq, head_dim).astype(dtype),
+        valid=valid,
+        new_key=normal(batch, kv_heads, head_dim).astype(dtype),
+        new_value=normal(batch, kv_heads, head_dim).astype(dtype),
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize(
+    "kv_seq, starts, ends",
+    [
+        (256, [0, 5, 130], [129, 256, 131]),  # a prefix, left padding, one slot
+        (1024, [0, 300, 513], [1024, 700, 1000]),  # blocks of 512 skipped before and after
+        (384, [0, 10, 383], [384, 128, 384]),  # blocks of 128
+    ],
+)
+def test_decode_attention_reads_live_blocks_and_equals_the_reference(dtype, with_sinks, kv_seq, starts, ends):
+    rng = np.random.default_rng(kv_seq + len(starts))
+    case = _case(rng, 3, len(starts), 2, 4, kv_seq, 128, dtype, starts, ends)
+    self_valid = jnp.asarray([True, False, True])
+    sinks = jnp.asarray(rng.standard_normal((2, 4)), jnp.float32) if with_sinks else jnp.full((2, 4), -jnp.inf)
+    args = (case["query"], case["key_stack"], case["value_stack"], jnp.int32(1), case["valid"], self_valid,
+            case["new_key"], case["new_value"], sinks)
+    got = attention.decode_attention(*args, 0.125, interpret=True)
+    none = jnp.zeros((0,), jnp.float32)
+    want = xla.decode_attention(*args, none, none, 0.125)
+    assert got.shape == want.shape == (3, 2, 4, 128)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_a_row_with_nothing_to_attend_to_gets_zeros_not_nan():
+    rng = np.random.default_rng(0)
+    case = _case(rng, 1, 2, 1, 2, 256, 128, jnp.float32, [0, 0], [40, 0])
+    args = (case["query"], case["key_stack"], case["value_stack"], jnp.int32(0), case["valid"],
+            jnp.asarray([True, False]), case["new_key"], case["new_value"], jnp.full((1, 2), -jnp.inf))
+    got = np.asarray(attention.decode_attention(*args, 0.1, interpret=True))
+    assert np.isfinite(got).all() and not got[1].any()
+
+
+def test_live_blocks_are_each_rows_first_and_last_valid_block():
+    valid = np.zeros((3, 1024), bool)
+    valid[0, 10:20] = True
+    valid[1, 600:1024] = True
+    first, last = attention.live_blocks(jnp.asarray(valid), 256)
+    assert first.tolist() == [0, 2, 0] and last.tolist() == [0, 3, 0]
+
+
+@pytest.mark.parametrize("kv_seq, block", [(1024, 512), (768, 256), (384, 128), (200, None), (64, None)])
+def test_block_size_divides_the_cache(kv_seq, block):
+    assert attention.block_for(kv_seq) == block
+
+
+def test_caches_the_kernel_does_not_take_go_to_the_reference():
+    query = jnp.zeros((1, 2, 2, 128))
+    keys = jnp.zeros((1, 1, 2, 2048, 128), jnp.bfloat16)
+    none = jnp.zeros((0,), jnp.float32)
+    assert attention.fits(query, keys, keys + 1, jnp.zeros((1, 2, 128)), none, none)
+    assert not attention.fits(query, keys, keys, jnp.zeros((1, 2, 128)), none, none)  # values are the keys (MLA)
+    assert not attention.fits(query, keys.astype(jnp.int8), keys.astype(jnp.int8), jnp.zeros((1, 2, 128)),
+                              jnp.ones((1, 1, 2, 2048)), jnp.ones((1, 1, 2, 2048)))  # int8 with scales
+    assert not attention.fits(query, keys[..., :200, :], keys[..., :200, :] + 1, jnp.zeros((1, 2, 128)), none, none)
+    short = keys[..., :1024, :]  # two blocks: XLA's attention over the whole cache is as fast
+    assert not attention.fits(query, short, short + 1, jnp.zeros((1, 2, 128)), none, none)
