@@ -196,6 +196,39 @@ def plot_serving(serving: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def tpu_decode_table(tpu: dict) -> str:
+    """Decode on the accelerator against the HBM floor (`tpu_decode.json`), the docs' accelerators table."""
+    rows = ["| batch | tok/s | ms/step | floor ms/step | of the floor |", "|---|---|---|---|---|"]
+    for run in tpu["rows"]:
+        if "error" in run:
+            rows.append(f"| {run['batch']} | {run['error'][:60]} | | | |")
+            continue
+        rows.append(f"| {run['batch']} | {run['tokens_per_s_generate']:,.0f} | {run['step_ms_generate']:.2f} | "
+                    f"{run['floor_ms']:.2f} | {run['fraction_of_floor_generate']:.2f} |")
+    return "\n".join(rows)
+
+
+def plot_tpu_decode(tpu: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [run for run in tpu["rows"] if "error" not in run]
+    batches = [str(run["batch"]) for run in runs]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    axes[0].bar(batches, [run["tokens_per_s_generate"] for run in runs], color="tab:blue")
+    axes[0].set(xlabel="batch", ylabel="decode tokens/s", title="Throughput")
+    axes[1].bar(batches, [run["fraction_of_floor_generate"] for run in runs], color="tab:green")
+    axes[1].axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    axes[1].set(xlabel="batch", ylabel="HBM floor / step time", ylim=(0, 1.05),
+                title="Fraction of the floor (bytes read at 819 GB/s)")
+    fig.suptitle(f"{tpu['shape']}, {tpu['dtype']}, {tpu['device']}: prompt {tpu['prompt']}, "
+                 f"{tpu['new_tokens']} new tokens through generate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def quality_table(quality: dict) -> str:
     """Perplexity, KL and agreement of each width, ours beside llama.cpp's, per model."""
     number = lambda value, digits: "" if value is None else f"{value:.{digits}f}"
@@ -324,6 +357,10 @@ def main():
         print("\n" + serving_tables(serving))
         if serving.get("throughput"):
             plot_serving(serving, ROOT / "docs" / "serving.png")
+    tpu = load("tpu_decode")
+    if tpu:
+        print("\n" + tpu_decode_table(tpu))
+        plot_tpu_decode(tpu, ROOT / "docs" / "tpu_decode.png")
     plot(decode, depth, ROOT / "docs" / "benchmarks.png")
 
 
