@@ -37,7 +37,6 @@ VNNI, one device); `save_pretrained` writes rows whatever the layout in memory.
 """
 
 import dataclasses
-from typing import Any
 
 import equinox as eqx
 import jax

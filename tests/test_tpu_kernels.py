@@ -1,7 +1,6 @@
-"""The TPU backend's Pallas kernels against the reference ops, run by Pallas' TPU
+"""The TPU backend's Pallas kernels against the reference ops, run by Pallas'
 interpreter (on the CPU, in CI); on the chip itself `benchmarks/tpu_check.py`."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

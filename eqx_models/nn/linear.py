@@ -5,7 +5,7 @@ import abc
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int, PRNGKeyArray, Shaped
+from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..axes import AbstractHasArrayAxes
 from ..ops import LayerSlice, Weight, index_layer, project, project_many, take_rows

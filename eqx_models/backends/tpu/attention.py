@@ -92,7 +92,7 @@ def cached_attention(
     """Softmax parts of one token per row over the valid slots of `key_stack[layer]`
     / `value_stack[layer]`: `(acc, max, sum)` with `acc = sum_s exp(score_s - max) v_s`
     and `sum = sum_s exp(score_s - max)` (`sum` 0 for a row with no valid slot).
-    `interpret` runs the kernel in Pallas' TPU interpreter (on any backend)."""
+    `interpret` runs the kernel in Pallas' interpreter (on any backend)."""
     batch, kv_heads, groups, head_dim = query.shape
     kv_seq = key_stack.shape[3]
     blocks = kv_seq // block
