@@ -21,14 +21,15 @@ import platform
 import time
 from pathlib import Path
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import eqx_models
 from eqx_models.backends import active_backend
-from eqx_models.generation import Sampling, _decode_advancer, _jitted_step, _next_power_of_two, _prefill
+from eqx_models.generation import (
+    Sampling, _decode_advancer, _jitted_step, _next_power_of_two, _prefill, _split_model,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SPEC_BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
@@ -92,9 +93,7 @@ def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int) -> di
     tokens.block_until_ready()
     step_device = (time.perf_counter() - start) / (calls * chunk)
 
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-    static = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    arrays, treedef, static = _split_model(model)
     compiled = _jitted_step(treedef, static, sampling, (), 0).lower(arrays, state).compile()
     memory = compiled.memory_analysis()
     cost = compiled.cost_analysis()

@@ -134,12 +134,24 @@ def _step(model, state: DecodeState, sampling: Sampling, eos_ids: tuple, pad_tok
 _decode_step = functools.partial(eqx.filter_jit, donate="all-except-first")(_step)
 
 
+def _split_model(model) -> tuple[list, object, tuple]:
+    """`model` as its arrays, its treedef and its other leaves (None where an array
+    was): split once per generate call rather than on every token."""
+    leaves, treedef = jax.tree_util.tree_flatten(model)
+    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
+    return arrays, treedef, tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+
+
+def _join_model(arrays: list, treedef, static_leaves: tuple):
+    """The model `_split_model` split."""
+    found = iter(arrays)
+    return jax.tree_util.tree_unflatten(treedef, [next(found) if s is None else s for s in static_leaves])
+
+
 @functools.lru_cache(maxsize=16)
 def _jitted_step(treedef, static_leaves: tuple, sampling: Sampling, eos_ids: tuple, pad_token_id: int):
     def step(arrays: list, state: DecodeState):
-        found = iter(arrays)
-        model = jax.tree_util.tree_unflatten(treedef, [next(found) if s is None else s for s in static_leaves])
-        return _step(model, state, sampling, eos_ids, pad_token_id)
+        return _step(_join_model(arrays, treedef, static_leaves), state, sampling, eos_ids, pad_token_id)
 
     return jax.jit(step, donate_argnums=1)
 
@@ -149,9 +161,7 @@ def _decode_stepper(model, sampling: Sampling, eos_ids: tuple = (), pad_token_id
     with the model split into arrays and static parts once instead of on every
     token (equinox's `filter_jit` did that per call: about 0.5 ms of a 25 ms int8
     step on a 2-core Xeon). Compiles once per model structure and settings."""
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-    static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    arrays, treedef, static_leaves = _split_model(model)
     jitted = _jitted_step(treedef, static_leaves, sampling, eos_ids, pad_token_id)
     return lambda state: jitted(arrays, state)
 
@@ -159,8 +169,7 @@ def _decode_stepper(model, sampling: Sampling, eos_ids: tuple = (), pad_token_id
 @functools.lru_cache(maxsize=16)
 def _jitted_steps(treedef, static_leaves: tuple, sampling: Sampling, eos_ids: tuple, pad_token_id: int, chunk: int):
     def steps(arrays: list, state: DecodeState, count: Int[Array, ""]):
-        found = iter(arrays)
-        model = jax.tree_util.tree_unflatten(treedef, [next(found) if s is None else s for s in static_leaves])
+        model = _join_model(arrays, treedef, static_leaves)
 
         def one(i, carry):
             state, tokens = carry
@@ -189,9 +198,7 @@ def _decode_advancer(model, sampling: Sampling, eos_ids: tuple, pad_token_id: in
             return state, token[None]
 
         return advance
-    leaves, treedef = jax.tree_util.tree_flatten(model)
-    arrays = [leaf for leaf in leaves if eqx.is_array(leaf)]
-    static_leaves = tuple(None if eqx.is_array(leaf) else leaf for leaf in leaves)
+    arrays, treedef, static_leaves = _split_model(model)
     jitted = _jitted_steps(treedef, static_leaves, sampling, eos_ids, pad_token_id, chunk)
     return lambda state, count: jitted(arrays, state, jnp.int32(count))
 
