@@ -1,5 +1,5 @@
-"""Correctness on the accelerator, in one command: the TPU backend's kernels against
-the reference ops on the chip, greedy tokens of a float32 model on the chip
+"""Correctness on the accelerator, in one command: the TPU backend's kernels (decode
+attention, the experts' grouped product) against the reference ops on the chip, greedy tokens of a float32 model on the chip
 against the same model on the host's CPU, and logits against `transformers`
 (float32 at `jax.default_matmul_precision("highest")`, and bfloat16).
 
@@ -22,7 +22,7 @@ import numpy as np
 
 import eqx_models
 from eqx_models.backends import active_backend, xla
-from eqx_models.backends.tpu import attention
+from eqx_models.backends.tpu import attention, experts
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # A small Qwen3 with the head size of the real ones (the attention kernel's lanes).
@@ -54,6 +54,27 @@ def check_attention_kernel() -> list[dict]:
             error = float(np.abs(got - want)[live].max())
             rows.append({"check": "decode_attention", "dtype": jnp.dtype(dtype).name, "kv_seq": kv_seq,
                          "max_abs_error": error, "ok": error < 1e-4})
+    return rows
+
+
+def check_grouped_kernel() -> list[dict]:
+    """megablox `gmm` over a layer of the expert stack against XLA's ragged dot,
+    Qwen3-30B-A3B's expert shapes, at prefill and decode row counts."""
+    rows = []
+    rng = np.random.default_rng(1)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        for count in (2048 * 8, 8):
+            stack = jnp.asarray(rng.standard_normal((2, 128, 768, 2048)) * 0.02, dtype)
+            x = jnp.asarray(rng.standard_normal((count, 2048)), dtype)
+            sizes = np.bincount(rng.integers(0, 128, count - count // 16), minlength=128)  # a 16th past the groups
+            group_sizes = jnp.asarray(sizes, jnp.int32)
+            with jax.default_matmul_precision("highest"):
+                got = np.asarray(jax.jit(experts.grouped_matmul)(x, stack, jnp.int32(1), group_sizes))
+                want = np.asarray(jax.jit(xla.grouped_matmul)(x, stack, jnp.int32(1), group_sizes))
+            error = float(np.abs(got - want).max())
+            limit = 1e-4 if dtype == jnp.float32 else 2e-2
+            rows.append({"check": "grouped_matmul", "dtype": jnp.dtype(dtype).name, "rows": count,
+                         "max_abs_error": error, "ok": error < limit and not got[int(sizes.sum()):].any()})
     return rows
 
 
@@ -113,7 +134,7 @@ def check_against_transformers() -> list[dict]:
 
 def main() -> int:
     device = jax.devices()[0]
-    rows = check_attention_kernel() if jax.default_backend() == "tpu" else []
+    rows = check_attention_kernel() + check_grouped_kernel() if jax.default_backend() == "tpu" else []
     rows.append(check_tokens_against_the_cpu())
     rows.extend(check_against_transformers())
     for row in rows:

@@ -8,6 +8,8 @@ every implementation computes the same function as the reference
 - the stacked-layer product: `project` / `project_many` (a weight that may be a
   `LayerSlice` of a stack, float or quantized), `stacked_matvecs` /
   `quantized_matvecs` (one layer of stacks, read in place where the backend can);
+- the experts' grouped product: `groups_experts`, `grouped_matmul` (rows
+  sorted by expert, each group times its expert's weights);
 - one token's attention to a layer of the cache: `decode_attention`,
   `paged_decode_attention`;
 - the cache write: `write_slots`, `write_pages`; and reading a layer or rows:
@@ -174,6 +176,47 @@ def quantized_matvecs(
             f"quantized_matvecs: the stacks must share bits, group_size, activations and mode, got {formats}."
         )
     return active_backend().quantized_matvecs(x.astype(jnp.float32), stacks, layer)
+
+
+def groups_experts(stack: Array | QuantizedWeight | LayerSlice) -> bool:
+    """Whether a mixture-of-experts layer whose experts are stacked as `stack`
+    (`[experts, out, in]`, or a `LayerSlice` of `[layers, experts, out, in]`) runs
+    them as `grouped_matmul`s over all its assignments at once, rather than one
+    block of assignments at a time."""
+    return active_backend().groups_experts(_expert_stack(stack)[0])
+
+
+def _expert_stack(weight) -> tuple[Array | QuantizedWeight, Array]:
+    """`[experts, out, in]` weights as a stack of one layer, or a `LayerSlice`'s stack and index."""
+    if isinstance(weight, LayerSlice):
+        return weight.stack, weight.index
+    return jax.tree.map(lambda a: a[None], weight), jnp.int32(0)
+
+
+def grouped_matmul(
+    rows: Float[Array, "rows in"],
+    weight: Float[Array, "groups out in"] | LayerSlice,
+    group_sizes: Int[Array, " groups"],
+) -> Float[Array, "rows out"]:
+    """Each group of `rows` times its own weights, in `rows`' dtype.
+
+    The rows come sorted by group: the first `group_sizes[0]` take `weight[0]`,
+    the next `group_sizes[1]` take `weight[1]`, and so on; rows past the groups'
+    total give zeros (on a mesh they are another device's experts). `weight` is
+    float, `[groups, out, in]` or one layer of a `[layers, groups, out, in]` stack
+    (read in place where the backend can). Differentiable.
+    """
+    stack, layer = _expert_stack(weight)
+    if isinstance(stack, QuantizedWeight):
+        raise ValueError("grouped_matmul: the weights are quantized; quantized experts run block by block "
+                         "(`groups_experts` is False for them).")
+    if rows.ndim != 2 or stack.ndim != 4 or rows.shape[1] != stack.shape[3]:
+        raise ValueError(f"grouped_matmul: rows {rows.shape} do not fit weights {stack.shape[1:]} "
+                         "([rows, in] and [groups, out, in]).")
+    if group_sizes.shape != (stack.shape[1],):
+        raise ValueError(f"grouped_matmul: {group_sizes.shape} group sizes for {stack.shape[1]} groups of weights.")
+    out = active_backend().grouped_matmul(rows, stack, layer, group_sizes.astype(jnp.int32))
+    return out.astype(rows.dtype)
 
 
 def attends_one_token(cache_dtype, softcap: float | None) -> bool:

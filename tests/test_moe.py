@@ -73,3 +73,41 @@ def test_an_moe_config_without_experts_is_refused(checkpoint_factory, tmp_path):
     (edited / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="num_experts"):
         eqx_models.from_pretrained(edited)
+
+
+@pytest.mark.parametrize("platform", ["tpu", "gpu"])
+@pytest.mark.parametrize("model_type, overrides", [
+    ("qwen3_moe", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, norm_topk_prob=True,
+                       mlp_only_layers=[1])),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
+    ("gpt_oss", dict(num_local_experts=3, num_experts_per_tok=2, sliding_window=5)),
+])
+def test_grouped_experts_match_transformers(platform, model_type, overrides, checkpoint_factory, monkeypatch):
+    """Off the CPU the experts run as grouped products over every assignment
+    (`grouped_matmul`); here with the backend a TPU or GPU process picks (its
+    policies, the reference ops where its kernels cannot run on the CPU)."""
+    from conftest import release_compiled_code, torch_logits
+    import torch
+
+    from eqx_models.backends import active_backend
+    from eqx_models.ops import groups_experts
+
+    folder, reference = checkpoint_factory(model_type, **overrides)
+    model = eqx_models.from_pretrained(folder)
+    ids = np.random.default_rng(1).integers(0, reference.config.vocab_size, (2, 24))
+    expected = torch_logits(reference, ids)
+    with torch.no_grad():
+        reference_tokens = reference.generate(torch.tensor(ids[:1]), attention_mask=torch.ones((1, 24), dtype=torch.long),
+                                              max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, 24:].numpy()
+    release_compiled_code()
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    try:
+        assert active_backend().name == platform
+        assert groups_experts(jnp.zeros((2, 4, 8, 16)))
+        assert "ragged_dot_general" in str(jax.make_jaxpr(lambda i: model(i)[0])(ids))
+        logits, _ = model(ids)
+        np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)
+        tokens = eqx_models.generate(model, ids[:1], max_new_tokens=12, eos_token_id=[])
+        np.testing.assert_array_equal(tokens[0], reference_tokens)
+    finally:
+        release_compiled_code()  # the programs traced for another backend must not serve the CPU's calls

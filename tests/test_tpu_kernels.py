@@ -1,12 +1,13 @@
 """The TPU backend's Pallas kernels against the reference ops, run by Pallas'
 interpreter (on the CPU, in CI); on the chip itself `benchmarks/tpu_check.py`."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from eqx_models.backends import xla
-from eqx_models.backends.tpu import attention
+from eqx_models.backends.tpu import attention, experts
 
 
 def _case(rng, layers, batch, kv_heads, groups, kv_seq, head_dim, dtype, starts, ends):
@@ -81,3 +82,39 @@ def test_caches_the_kernel_does_not_take_go_to_the_reference():
     assert not attention.fits(query, keys[..., :200, :], keys[..., :200, :] + 1, jnp.zeros((1, 2, 128)), none, none)
     short = keys[..., :1024, :]  # two blocks: XLA's attention over the whole cache is as fast
     assert not attention.fits(query, short, short + 1, jnp.zeros((1, 2, 128)), none, none)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows, sizes", [
+    (40, [10, 0, 25, 3]),  # an empty group, two rows past the groups
+    (5, [0, 0, 5, 0]),  # decode: a few rows, one expert
+    (300, [128, 1, 100, 71]),  # more than one tile of rows
+])
+def test_grouped_matmul_reads_the_layers_experts_and_equals_the_reference(dtype, rows, sizes):
+    rng = np.random.default_rng(rows)
+    stack = jnp.asarray(rng.standard_normal((3, 4, 256, 384)), dtype)
+    x = jnp.asarray(rng.standard_normal((rows, 384)), dtype)
+    group_sizes = jnp.asarray(sizes, jnp.int32)
+    got = experts.grouped_matmul(x, stack, jnp.int32(1), group_sizes, interpret=True)
+    want = xla.grouped_matmul(x, stack, jnp.int32(1), group_sizes)
+    assert got.shape == want.shape == (rows, 256) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-3, rtol=1e-3)
+    assert not np.asarray(got)[sum(sizes):].any()  # rows past the groups are zeros, not leftovers
+
+
+def test_grouped_matmul_gradients_equal_the_references():
+    rng = np.random.default_rng(0)
+    stack = jnp.asarray(rng.standard_normal((2, 3, 128, 256)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.float32)
+    group_sizes = jnp.asarray([9, 0, 13], jnp.int32)
+    cotangent = jnp.asarray(rng.standard_normal((24, 128)), jnp.float32)
+
+    def loss(product):
+        return lambda x, stack: jnp.sum(product(x, stack, jnp.int32(1), group_sizes) * cotangent)
+
+    kernel = lambda *args: experts.grouped_matmul(*args, interpret=True)
+    got = jax.grad(loss(kernel), argnums=(0, 1))(x, stack)
+    want = jax.grad(loss(xla.grouped_matmul), argnums=(0, 1))(x, stack)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+    assert not np.asarray(got[1])[0].any()  # the other layer's experts get no gradient

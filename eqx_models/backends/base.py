@@ -40,6 +40,12 @@ class Backend(abc.ABC):
         `paged_decode_attention` for a cache of `cache_dtype`."""
 
     @abc.abstractmethod
+    def groups_experts(self, stack) -> bool:
+        """Whether mixture-of-experts layers with experts stacked as `stack`
+        (`[layers, experts, out, in]`, float or `QuantizedWeight`) run them through
+        `grouped_matmul` rather than a loop over blocks of assignments."""
+
+    @abc.abstractmethod
     def decode_steps_per_call(self) -> int:
         """How many decode steps `generate` runs per call of a compiled program
         (one where launching a program costs little next to a step)."""
@@ -53,6 +59,9 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def quantized_matvecs(self, x: Array, stacks: tuple, layer: Array) -> tuple[Array, ...]: ...
+
+    @abc.abstractmethod
+    def grouped_matmul(self, rows: Array, stack: Array, layer: Array, group_sizes: Array) -> Array: ...
 
     @abc.abstractmethod
     def decode_attention(self, query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks,

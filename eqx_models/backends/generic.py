@@ -35,6 +35,9 @@ class Generic(Backend):
     def attends_one_token(self, cache_dtype, softcap: float | None) -> bool:
         return False
 
+    def groups_experts(self, stack) -> bool:
+        return isinstance(stack, Array)  # one ragged product over every assignment
+
     def decode_steps_per_call(self) -> int:
         return 16  # as on a TPU (see `Tpu.decode_steps_per_call`): an accelerator's launch is not free
 
@@ -43,6 +46,7 @@ class Generic(Backend):
 
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
     quantized_matvecs = staticmethod(xla.quantized_matvecs)
+    grouped_matmul = staticmethod(xla.grouped_matmul)
     decode_attention = staticmethod(xla.decode_attention)
     paged_decode_attention = staticmethod(xla.paged_decode_attention)
     index_layer = staticmethod(index_layer)

@@ -50,6 +50,23 @@ def quantized_matvecs(x: Array, stacks: tuple, layer: Array) -> tuple[Array, ...
     return tuple(jnp.einsum("...i,oi->...o", x, quantized_layer(stack, layer)) for stack in stacks)
 
 
+_GROUPED = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0]
+)
+
+
+def grouped_matmul(rows: Array, stack: Array, layer: Array, group_sizes: Array) -> Array:
+    weights = layer_of(stack, layer)
+    out = jax.lax.ragged_dot_general(rows, weights, group_sizes, _GROUPED, preferred_element_type=jnp.float32)
+    return beyond_groups_zeroed(out, group_sizes)
+
+
+def beyond_groups_zeroed(out: Array, group_sizes: Array) -> Array:
+    """`out` with its rows past the groups' total set to zero."""
+    inside = jnp.arange(out.shape[0]) < jnp.sum(group_sizes)
+    return jnp.where(inside[:, None], out, 0)
+
+
 def _layer_rows(stack: Array, scales: Array, layer: Array) -> Array:
     """`stack[layer]` in float32, times its per-row `scales[layer]` when they are given."""
     rows = float_layer(stack, layer)

@@ -35,7 +35,7 @@ from ..nn.decoder import AbstractPreNormLayer
 from ..nn.linear import Linear
 from ..nn.moe import AbstractExperts, AbstractSparseMoeBlock, _expert_weight, route
 from ..nn.norm import RMSNorm
-from ..ops import LayerSlice, project
+from ..ops import LayerSlice, grouped_matmul, project
 from ..sharding import stacked_field
 from ..architecture import Architecture
 
@@ -90,10 +90,22 @@ class GptOssExperts(AbstractExperts):
         gate_up_w, gate_up_b, down_w = arrays
         gate_up = project(h, _expert_weight(gate_up_w, expert))
         gate_up = (gate_up + gate_up_b[expert]).astype(h.dtype)
+        return project(self._activation(gate_up), _expert_weight(down_w, expert))
+
+    def grouped_forward(
+        self, h: Float[Array, "rows hidden"], group_sizes: Int[Array, " experts"], row_expert: Int[Array, " rows"],
+        arrays,
+    ) -> Float[Array, "rows hidden"]:
+        gate_up_w, gate_up_b, down_w = arrays
+        gate_up = (grouped_matmul(h, gate_up_w, group_sizes) + gate_up_b[row_expert]).astype(h.dtype)
+        return grouped_matmul(self._activation(gate_up), down_w, group_sizes)
+
+    def _activation(self, gate_up: Float[Array, "rows two_inner"]) -> Float[Array, "rows inner"]:
+        """The clamped SwiGLU of interleaved gate and up channels."""
         limit = self.swiglu_limit
         gate = jnp.minimum(gate_up[:, ::2], limit)
         up = jnp.clip(gate_up[:, 1::2], -limit, limit)
-        return project((up + 1) * gate * jax.nn.sigmoid(gate * self.swiglu_alpha), _expert_weight(down_w, expert))
+        return (up + 1) * gate * jax.nn.sigmoid(gate * self.swiglu_alpha)
 
 
 class GptOssMoeBlock(AbstractSparseMoeBlock):

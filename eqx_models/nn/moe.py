@@ -1,12 +1,19 @@
 """Sparse mixture-of-experts feed-forward block (Qwen3-MoE, Mixtral).
 
 Each token is routed to its `top_k` experts by a softmax router; an expert is a
-gated MLP. Compute follows the assignments, not the expert count: assignments
-are sorted by expert and cut into blocks of at most `block_rows` rows that each
-belong to one expert, and every block multiplies its rows by its expert's
-weights: read in place from the `[experts, out, in]` stacks by the decode kernel
-for blocks of up to 16 rows, copied out for XLA's matmul for taller ones. At
-decode each used expert is one block; blocks past the last used one are skipped.
+gated MLP. Compute follows the assignments, not the expert count, in one of two
+ways, as the backend chooses (`eqx_models.ops.groups_experts`):
+
+- grouped (TPU, GPU): the assignments sorted by expert go through one grouped
+  product per projection (`grouped_matmul`: megablox `gmm` on a TPU, XLA's
+  ragged dot elsewhere), and are gathered back to their tokens;
+- in blocks (CPU): the sorted assignments are cut into blocks of at most
+  `block_rows` rows that each belong to one expert, and every block multiplies
+  its rows by its expert's weights: read in place from the `[experts, out, in]`
+  stacks by the decode kernel for blocks of up to 16 rows, copied out for XLA's
+  matmul for taller ones. At decode each used expert is one block; blocks past
+  the last used one are skipped.
+
 No token is dropped.
 """
 
@@ -23,7 +30,7 @@ from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from .. import sharding
 from ..config import DecoderConfig
-from ..ops import LayerSlice, project, project_many
+from ..ops import LayerSlice, grouped_matmul, groups_experts, project, project_many
 from ..quantized import QuantizedWeight
 from ..sharding import stacked_field
 from .linear import AbstractLayerSelectable, Linear, layer_view
@@ -46,6 +53,15 @@ class AbstractExperts(eqx.Module):
     def forward(self, h: Float[Array, "rows hidden"], expert: Int[Array, ""], arrays) -> Float[Array, "rows hidden"]:
         """Expert `expert` applied to the rows `h`; `arrays` are `arrays()`'s arrays
         (or each device's part of them)."""
+
+    @abc.abstractmethod
+    def grouped_forward(
+        self, h: Float[Array, "rows hidden"], group_sizes: Int[Array, " experts"], row_expert: Int[Array, " rows"],
+        arrays,
+    ) -> Float[Array, "rows hidden"]:
+        """The experts applied to rows sorted by expert: the first `group_sizes[0]`
+        rows go through expert 0, the next `group_sizes[1]` through expert 1, ...;
+        `row_expert` is each row's expert. Rows past the groups give zeros."""
 
 
 class Experts(AbstractExperts):
@@ -73,6 +89,14 @@ class Experts(AbstractExperts):
         gate_w, up_w, down_w = arrays
         gate, up = project_many(h, [_expert_weight(gate_w, expert), _expert_weight(up_w, expert)])
         return project(ACTIVATIONS[self.hidden_act](gate) * up, _expert_weight(down_w, expert))
+
+    def grouped_forward(
+        self, h: Float[Array, "rows hidden"], group_sizes: Int[Array, " experts"], row_expert: Int[Array, " rows"],
+        arrays,
+    ) -> Float[Array, "rows hidden"]:
+        gate_w, up_w, down_w = arrays
+        gate, up = grouped_matmul(h, gate_w, group_sizes), grouped_matmul(h, up_w, group_sizes)
+        return grouped_matmul(ACTIVATIONS[self.hidden_act](gate) * up, down_w, group_sizes)
 
 
 def _expert_weight(weight: Array | QuantizedWeight | LayerSlice, expert: Int[Array, ""]) -> LayerSlice:
@@ -169,6 +193,8 @@ class AbstractSparseMoeBlock(eqx.Module):
         """Each token's `top_k` experts' outputs, weighted and summed. With
         `local_experts`, only experts below it run (id `local_experts` marks an
         assignment that another device computes; its weight must be 0)."""
+        if groups_experts(stacks[0]):
+            return self._grouped(tokens, weights, chosen, stacks, num_experts if local_experts is None else local_experts)
         hidden = tokens.shape[-1]
         count = chosen.size
         # Blocks about as tall as an expert's share of the assignments (a power of
@@ -201,6 +227,18 @@ class AbstractSparseMoeBlock(eqx.Module):
             contributions.reshape(-1, hidden)
         )
         return out[:-1]
+
+    def _grouped(self, tokens, weights, chosen, stacks, counted: int):
+        """`_run_experts` as grouped products: the assignments sorted by expert
+        (ids from `counted` on, another device's experts, last and left out), each
+        token's rows gathered back and summed (float32) with their weights."""
+        flat = chosen.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        group_sizes = jnp.bincount(flat, length=counted).astype(jnp.int32)
+        out = self.experts.grouped_forward(tokens[order // self.top_k], group_sizes, flat[order], stacks)
+        per_token = out[jnp.argsort(order)].reshape(tokens.shape[0], self.top_k, tokens.shape[-1])
+        summed = jnp.einsum("tk,tkh->th", weights.astype(jnp.float32), per_token.astype(jnp.float32))
+        return summed.astype(tokens.dtype)
 
     def _on_mesh(self, x, placement):
         """The experts on a mesh, as one program per device (`shard_map`).

@@ -238,6 +238,40 @@ def test_loss_and_gradients_on_a_mesh_equal_single_device(references, model_name
         assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-4 * max(np.max(np.abs(np.asarray(b))), 1e-6)
 
 
+@pytest.mark.parametrize("model_name,shape,rules", [
+    ("qwen3_moe", {"data": 2, "expert": 4}, None),  # each device its experts; ids of others' sorted last
+    ("qwen3_moe", {"data": 4, "tensor": 2}, None),  # each device a slice of every expert's width
+    ("qwen3_moe_mixed", {"fsdp": 2, "tensor": 2, "expert": 2}, None),
+])
+def test_grouped_experts_on_a_mesh_equal_the_cpus_blocks(references, model_name, shape, rules, monkeypatch):
+    """The experts as the TPU backend runs them (grouped products over every
+    assignment; XLA's ragged dot where its kernel cannot run), per device inside
+    `shard_map`, against the CPU's block loop on one device; and their gradients."""
+    from eqx_models import causal_lm_loss
+    from eqx_models.ops import groups_experts
+
+    folder, expected = references[model_name]
+    ids, mask = prompts()
+    labels = np.where(mask == 1, ids, -100)
+    grad = eqx.filter_jit(eqx.filter_value_and_grad(causal_lm_loss))
+    loss, grads = grad(from_pretrained(folder, dtype=jnp.float32), ids, labels, mask)
+    jax.clear_caches()
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    try:
+        assert groups_experts(jnp.zeros((1, 8, 4, 4)))
+        model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(shape), sharding=rules)
+        got = run(model, ids, mask)
+        assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
+        assert np.max(np.abs(got["stepwise"] - expected["stepwise"])) < 1e-4
+        np.testing.assert_array_equal(got["tokens"], expected["tokens"])
+        mesh_loss, mesh_grads = grad(model, ids, labels, mask)
+    finally:
+        jax.clear_caches()  # programs traced for the TPU backend must not serve the CPU's calls
+    assert abs(float(mesh_loss) - float(loss)) < 1e-5
+    for a, b in zip(jax.tree.leaves(eqx.filter(mesh_grads, eqx.is_array)), jax.tree.leaves(eqx.filter(grads, eqx.is_array))):
+        assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-4 * max(np.max(np.abs(np.asarray(b))), 1e-6)
+
+
 @pytest.mark.parametrize("model_type", supported_model_types())
 def test_every_architecture_on_a_tensor_and_data_parallel_mesh_equals_one_device(model_type, tmp_path):
     """Each registered family (its tiny config, tests/zoo.py) split over tensor x data:

@@ -613,6 +613,11 @@ class Cpu(Backend):
     def attends_one_token(self, cache_dtype, softcap: float | None) -> bool:
         return softcap is None and jnp.dtype(cache_dtype).name in ATTENTION_DTYPES and kernels_available()
 
+    def groups_experts(self, stack) -> bool:
+        # XLA:CPU expands a ragged product into a masked product per group (the
+        # experts' count times the work); blocks read each expert once.
+        return False
+
     def decode_steps_per_call(self) -> int:
         return 1  # launching costs tens of microseconds next to steps of tens of milliseconds
 
@@ -627,6 +632,7 @@ class Cpu(Backend):
     def quantized_matvecs(x: Array, stacks: tuple, layer: Array) -> tuple[Array, ...]:
         return _quantized_matvecs(x, stacks, layer)
 
+    grouped_matmul = staticmethod(xla.grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
     paged_decode_attention = staticmethod(_paged_decode_attention)
     index_layer = staticmethod(_index_layer)

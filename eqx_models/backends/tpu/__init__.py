@@ -1,7 +1,9 @@
 """The TPU backend: Pallas kernels where one pays, the reference XLA ops elsewhere.
 
 - one token's attention to the dense cache (`attention.py`): reads each row's
-  live blocks of slots only, the layer's slice in place.
+  live blocks of slots only, the layer's slice in place;
+- the experts' grouped product (`experts.py`): megablox `gmm` over the layer's
+  used experts, read in place.
 """
 
 import jax
@@ -11,7 +13,7 @@ from jaxtyping import Array
 from .. import xla
 from ..base import Backend
 from ..generic import index_layer, take_rows
-from . import attention
+from . import attention, experts
 
 
 def _decode_attention(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales,
@@ -23,6 +25,13 @@ def _decode_attention(query, key_stack, value_stack, layer, valid, self_valid, n
     kernel = lambda *args: attention.decode_attention(*args, scale)
     # Arrays placed on the host's CPU of a TPU machine lower for the CPU: the reference.
     return jax.lax.platform_dependent(*args, tpu=kernel, default=reference)
+
+
+def _grouped_matmul(rows, stack, layer, group_sizes):
+    if not experts.fits(rows, stack):
+        return xla.grouped_matmul(rows, stack, layer, group_sizes)
+    return jax.lax.platform_dependent(rows, stack, layer, group_sizes, tpu=experts.grouped_matmul,
+                                      default=xla.grouped_matmul)
 
 
 class Tpu(Backend):
@@ -43,6 +52,11 @@ class Tpu(Backend):
     def attends_one_token(self, cache_dtype, softcap: float | None) -> bool:
         return softcap is None and jnp.dtype(cache_dtype) in (jnp.float32, jnp.bfloat16)
 
+    def groups_experts(self, stack) -> bool:
+        # One kernel over every assignment, where blocks of them would run one
+        # after another; quantized experts keep the blocks (each dequantized as read).
+        return isinstance(stack, Array)
+
     def decode_steps_per_call(self) -> int:
         # The host waits for each donating step to finish before it launches the
         # next (about 0.5 ms of idle chip a call on a v5e, a quarter of a small
@@ -55,6 +69,7 @@ class Tpu(Backend):
 
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
     quantized_matvecs = staticmethod(xla.quantized_matvecs)
+    grouped_matmul = staticmethod(_grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
     paged_decode_attention = staticmethod(xla.paged_decode_attention)
     index_layer = staticmethod(index_layer)
