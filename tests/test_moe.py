@@ -8,6 +8,7 @@ import pytest
 import eqx_models
 from eqx_models.config import ConfigError
 from eqx_models.nn.moe import SparseMoeBlock, expert_blocks, route
+from zoo import tiny_overrides
 
 
 @pytest.mark.parametrize("count, experts, block_rows", [(8, 64, 16), (40, 4, 16), (33, 8, 4), (5, 5, 1)])
@@ -81,6 +82,9 @@ def test_an_moe_config_without_experts_is_refused(checkpoint_factory, tmp_path):
                        mlp_only_layers=[1])),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=2)),
     ("gpt_oss", dict(num_local_experts=3, num_experts_per_tok=2, sliding_window=5)),
+    ("deepseek_v3", tiny_overrides("deepseek_v3")),  # routing by groups of experts, a shared expert
+    ("deepseek_v2", tiny_overrides("deepseek_v2")),
+    ("qwen3_next", tiny_overrides("qwen3_next")),  # a gated shared expert
 ])
 def test_grouped_experts_match_transformers(platform, model_type, overrides, checkpoint_factory, monkeypatch):
     """Off the CPU the experts run as grouped products over every assignment
