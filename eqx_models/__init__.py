@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from .cache import KVCache
 from .config import ConfigError, DecoderConfig
+from .device_memory import OutOfDeviceMemory
 from .generation import Sampling, generate, stream_generate
 from .hub import CheckpointError, from_pretrained, save_pretrained
 from .models import supported_model_types
@@ -18,6 +19,7 @@ __all__ = [
     "CausalLM",
     "CheckpointError",
     "ConfigError",
+    "OutOfDeviceMemory",
     "DecoderConfig",
     "KVCache",
     "PagedKVCache",

@@ -16,6 +16,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from .backends import active_backend
 from .cache import KVCache, resolve_cache_dtype
 from .config import is_integer
+from .device_memory import OutOfDeviceMemory, gib, is_out_of_memory
 from .ops import greedy_rows
 from .nn.causal_lm import CausalLM
 
@@ -318,9 +319,16 @@ def stream_generate(
     mask = np.pad(mask, ((0, 0), (bucket - mask.shape[1], 0)))
     max_length = _next_power_of_two(bucket + max_new_tokens)
 
-    state, token = _prefill(
-        model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), max_length, sampling, eos_ids, cache_dtype
-    )
+    sized = f" (generate's: the prompt padded to {bucket} tokens plus max_new_tokens, rounded up to a power of two)"
+    model.check_cache_fits(ids.shape[0], max_length, cache_dtype, note=sized)
+    try:
+        state, token = _prefill(
+            model, jnp.asarray(ids), jnp.asarray(mask), jax.random.key(seed), max_length, sampling, eos_ids,
+            cache_dtype,
+        )
+    except jax.errors.JaxRuntimeError as error:
+        _explain_out_of_memory(error, model, ids.shape[0], max_length, cache_dtype)
+        raise
     done = np.zeros(ids.shape[0], bool)
     chunk = active_backend().decode_steps_per_call()
     advance = _decode_advancer(model, sampling, eos_ids, pad, chunk)
@@ -329,7 +337,11 @@ def stream_generate(
     while True:
         count = min(chunk, left)
         if count:
-            state, following = advance(state, count)
+            try:
+                state, following = advance(state, count)
+            except jax.errors.JaxRuntimeError as error:
+                _explain_out_of_memory(error, model, ids.shape[0], max_length, cache_dtype)
+                raise
             left -= count
         for host in np.asarray(queued)[:ready]:
             yield host
@@ -339,6 +351,21 @@ def stream_generate(
         if not count:
             return
         queued, ready = following, count
+
+
+def _explain_out_of_memory(error: Exception, model: CausalLM, batch: int, max_length: int, cache_dtype) -> None:
+    """Raises `OutOfDeviceMemory` in place of XLA's RESOURCE_EXHAUSTED from the
+    prefill or a decode step (the cache fitted, the program's temporaries did
+    not), naming the sizes; any other error is left to propagate."""
+    if not is_out_of_memory(error):
+        return
+    cache = model.cache_bytes(batch, max_length, cache_dtype)
+    raise OutOfDeviceMemory(
+        f"Generating ran out of device memory at batch {batch} with a cache of {max_length} slots "
+        f"({gib(cache)} of cache): the program's temporaries did not fit beside the weights and the cache. Use a smaller "
+        f"batch (or fewer prompt tokens per call), or int8 weights (quantize='int8') or an int8 cache "
+        f"(cache_dtype='int8') to free room. XLA said: {str(error)[:300]}"
+    ) from error
 
 
 def generate(

@@ -1,6 +1,7 @@
 """`from_pretrained` / `save_pretrained`: Hugging Face checkpoints <-> stacked models."""
 
 import concurrent.futures
+import dataclasses
 import functools
 import itertools
 import json
@@ -19,6 +20,7 @@ from jax.sharding import Mesh
 
 from .checkpoint import EXPERTS_COMPONENT, QUANTIZED_LEAVES, checkpoint_name, hf_tensor_names, leaf_name, to_jax
 from .config import check_layer_count, load_json
+from .device_memory import free_bytes, gib, refuse_unless_fits
 from .gguf_file import find_gguf, load_gguf, split_parts
 from .models import architecture_for
 from .nn.causal_lm import CausalLM
@@ -26,7 +28,7 @@ from .quantization import QuantizationSpec, QuantizedWeight, quantize_weight, sp
 from .quantization import quantize as quantize_model
 from .quantization import host_tiles, rows_to_tiles, scales_to_tiles, tiles_fit, tiles_pay, with_layout
 from .safetensors_file import CheckpointError, TensorSource, aligned_empty, replacing, write_safetensors
-from .sharding import ShardingRules, placement_for, shard_model, shardings
+from .sharding import ShardingRules, per_device_bytes, placement_for, shard_model, shardings
 
 MODEL_FILES = ["config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json"]
 TOKENIZER_FILES = [
@@ -260,14 +262,10 @@ def from_pretrained(
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     placement = None if mesh is None else placement_for(config, mesh, sharding)
     target_dtype = None if dtype is None else jnp.dtype(dtype)
+    float_dtype = target_dtype or _checkpoint_float_dtype(source, arch, hf_config, saved_spec is not None)
     if saved_spec is not None:  # the skeleton of the saved quantized model
-        skeleton = _quantized_skeleton(skeleton, saved_spec, target_dtype or jnp.dtype(hf_config.get("torch_dtype",
-                                                                                                       "float32")))
-    quantized_skeleton = None
-    if spec is not None:
-        embed_names = hf_tensor_names("model.embed_tokens.weight", (), arch.tensor_name, {})[0]
-        float_dtype = target_dtype or np.dtype(source.dtype(embed_names[0]))
-        quantized_skeleton = _quantized_skeleton(skeleton, spec, float_dtype)
+        skeleton = _quantized_skeleton(skeleton, saved_spec, float_dtype)
+    quantized_skeleton = None if spec is None else _quantized_skeleton(skeleton, spec, float_dtype)
     # int8 weights go into the CPU kernel's tiles as they load (see
     # `quantization.with_layout`): `tiled` holds the paths of those weights.
     final_skeleton = quantized_skeleton if quantized_skeleton is not None else skeleton
@@ -275,6 +273,7 @@ def from_pretrained(
     tiled = tiled if tiled and tiles_pay() else set()  # asked only of quantized models: it builds their kernels
     if tiled:
         final_skeleton = eqx.filter_eval_shape(lambda m: with_layout(m, "tiles"), final_skeleton)
+    _refuse_weights_beyond_memory(final_skeleton, skeleton, float_dtype, placement, spec or saved_spec, folder)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     plan = []
@@ -352,6 +351,50 @@ def _quantized_skeleton(skeleton: CausalLM, spec: QuantizationSpec, float_dtype)
     as_float = lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
     floats = jax.tree.map(as_float, skeleton)
     return eqx.filter_eval_shape(lambda m: quantize_model(m, **spec.options(), layout="rows"), floats)
+
+
+def _checkpoint_float_dtype(source: TensorSource, arch, hf_config: Mapping, saved_quantized: bool) -> np.dtype:
+    """The dtype the checkpoint's float weights load in without `dtype=`: its
+    embedding table's (a saved quantized model's `torch_dtype`)."""
+    name = hf_tensor_names("model.embed_tokens.weight", (), arch.tensor_name, {})[0][0]
+    if saved_quantized or name not in source.location:
+        return jnp.dtype(hf_config.get("torch_dtype", "float32"))
+    return np.dtype(source.dtype(name))
+
+
+def _refuse_weights_beyond_memory(final: CausalLM, float_skeleton: CausalLM, float_dtype, placement, spec,
+                                  folder) -> None:
+    """Refuses (`OutOfDeviceMemory`) weights that the target accelerator has not
+    the free memory for, before any is read, naming what would fit: int8 or
+    bfloat16 weights, or more chips."""
+    devices = [jax.devices()[0]] if placement is None else list(placement.mesh.devices.flat)
+
+    def per_device(shapes, cast: bool) -> int:
+        """Bytes per device; `cast`: the float leaves load in `float_dtype` (a
+        quantized skeleton has its dtypes already)."""
+        as_dtype = lambda s: jax.ShapeDtypeStruct(s.shape, float_dtype) if jnp.issubdtype(s.dtype, jnp.floating) else s
+        shapes = eqx.filter(shapes, lambda s: isinstance(s, jax.ShapeDtypeStruct))
+        shapes = jax.tree.map(as_dtype, shapes) if cast else shapes
+        if placement is not None:
+            return per_device_bytes(shapes, placement)
+        return sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+
+    free = free_bytes(devices)
+    needed = per_device(final, cast=spec is None) if free is not None else 0
+    if free is None or needed <= free[0]:
+        return
+    fixes = []
+    if spec is None:
+        # The estimate must not fail on widths the groups do not divide.
+        int8_spec = dataclasses.replace(spec_for("int8"), keep_indivisible=True)
+        int8 = per_device(_quantized_skeleton(float_skeleton, int8_spec, float_dtype), cast=False)
+        fixes.append(f"quantize='int8' ({gib(int8)}{'' if int8 <= free[0] else ', still too large'})")
+    if float_dtype == jnp.float32:
+        fixes.append(f"dtype=jnp.bfloat16 (about {gib(needed / 2)})")
+    fixes.append(f"a mesh of about {-(-needed // max(free[0], 1)) * len(devices)} devices or more (mesh=...), "
+                 "the weights split over them")
+    what = f"The weights of {folder} ({len(devices)} device{'s' if len(devices) > 1 else ''}, {np.dtype(float_dtype).name})"
+    refuse_unless_fits(what, needed, devices, fixes)
 
 
 def _tiled_weight_paths(model: CausalLM) -> set[tuple]:

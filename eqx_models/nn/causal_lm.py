@@ -14,6 +14,7 @@ from ..paged_cache import PagedKVCache
 from .. import sharding
 from ..architecture import architecture_of
 from ..config import DecoderConfig
+from ..device_memory import free_bytes, gib, refuse_unless_fits
 from .decoder import REMAT_POLICIES, Decoder
 from .linear import Linear
 
@@ -133,6 +134,7 @@ class CausalLM(eqx.Module):
             `KVCache` holding the prompt.
         """
         cache_dtype = None if cache_dtype is None else resolve_cache_dtype(cache_dtype)
+        self.check_cache_fits(np.shape(input_ids)[0], max_length, cache_dtype)
         return _compiled_forward(self, input_ids, attention_mask, None, max_length, logits_to_keep, cache_dtype)
 
     def _forward(
@@ -223,6 +225,54 @@ class CausalLM(eqx.Module):
         object.__setattr__(out, "placement", placement)
         return out
 
+    def cache_bytes(self, batch_size: int, max_length: int, dtype=None) -> int:
+        """Bytes per device of `init_cache(batch_size, max_length, dtype)`, from shapes
+        alone (nothing is allocated)."""
+        dtype = resolve_cache_dtype(dtype or self.dtype)
+        arguments = (self.config, batch_size, max_length, dtype, self.model.ring_window)
+        shapes = jax.eval_shape(lambda: KVCache.for_config(*arguments))
+        if self.placement is not None:
+            return sharding.per_device_bytes(shapes, self.placement)
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
+
+    def check_cache_fits(self, batch_size: int, max_length: int, dtype=None, *, note: str = "") -> None:
+        """Refuses (`OutOfDeviceMemory`) a cache of `batch_size` x `max_length` slots
+        that the model's accelerator does not have the free memory for, before it is
+        allocated; the message gives the bytes needed and free, the largest batch
+        and length that fit, and the int8 cache's size. Nothing is checked on the
+        CPU or while tracing. `note` is added to the message (how a caller sized the cache)."""
+        devices = self.devices()
+        if not devices:
+            return
+        dtype = resolve_cache_dtype(dtype or self.dtype)
+        needed = self.cache_bytes(batch_size, max_length, dtype)
+        free = free_bytes(devices)
+        if free is None or needed <= free[0]:
+            return
+        available = free[0]
+        fixes = []
+        per_row = self.cache_bytes(1, max_length, dtype)
+        if available >= per_row:
+            fixes.append(f"batch {available // per_row} at {max_length} slots")
+        per_slot = (self.cache_bytes(batch_size, 2 * max_length, dtype) - needed) / max_length
+        if per_slot > 0 and available > needed - per_slot * max_length:
+            fixes.append(f"{int((available - (needed - per_slot * max_length)) // per_slot)} slots at batch {batch_size}")
+        if dtype != jnp.int8:
+            smaller = self.cache_bytes(batch_size, max_length, "int8")
+            fixes.append(f"cache_dtype='int8' ({gib(smaller)}{'' if smaller <= available else ', still too large'})")
+        what = f"A KV cache of batch {batch_size} x {max_length} slots ({jnp.dtype(dtype).name}){note}"
+        refuse_unless_fits(what, needed, devices, fixes)
+
+    def devices(self) -> list:
+        """The devices holding the model's arrays ([] while tracing)."""
+        if self.placement is not None:
+            mesh_devices = getattr(self.placement.mesh, "devices", None)  # an abstract mesh has none
+            return [] if mesh_devices is None else list(mesh_devices.flat)
+        leaf = next((a for a in jax.tree.leaves(self) if isinstance(a, jax.Array)), None)
+        if leaf is None or isinstance(leaf, jax.core.Tracer):
+            return []
+        return list(leaf.devices())
+
     def init_cache(self, batch_size: int, max_length: int, dtype=None) -> KVCache:
         """An empty cache for `batch_size` rows of up to `max_length` tokens.
 
@@ -242,6 +292,7 @@ class CausalLM(eqx.Module):
             max_length or window, head_dim]`, nothing written.
         """
         dtype = resolve_cache_dtype(dtype or self.dtype)
+        self.check_cache_fits(batch_size, max_length, dtype)
         arguments = (self.config, batch_size, max_length, dtype, self.model.ring_window)
         if self.placement is None:
             return KVCache.for_config(*arguments)

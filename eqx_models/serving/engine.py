@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..cache import resolve_cache_dtype
+from ..device_memory import free_bytes, refuse_unless_fits
 from ..nn.causal_lm import CausalLM
 from ..paged_cache import PagedKVCache
 from ..tokenizer import StreamDecoder, Tokenizer
@@ -219,6 +220,15 @@ class Engine:
         pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
         self.kv_cache_dtype = kv_cache_dtype
         self._pool_shape, self._value_dim = pool_shape, layout.value_dim
+        pool_bytes = num_pages * page_bytes + state_bytes
+        fitting = free_bytes(model.devices())
+        fitting = None if fitting is None else int((fitting[0] - state_bytes) // page_bytes)
+        refuse_unless_fits(
+            f"The serving engine's KV cache ({num_pages} pages of {page_size} tokens, {kv_cache_dtype.name})",
+            pool_bytes, model.devices(),
+            [f"num_pages={fitting} ({fitting * page_size} tokens)" if fitting and fitting > 0 else
+             "no page at all: free device memory first", "kv_cache_dtype='int8'"],
+        )
         self.pools = self._empty_pools()
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)

@@ -1,0 +1,122 @@
+"""Weights and caches that would not fit an accelerator's free memory are refused
+before anything is allocated, with the bytes and what would fit. The CPU reports
+no device memory, so these tests give the CPU device an accelerator's report."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_models
+from eqx_models import device_memory, generation
+from eqx_models.device_memory import OutOfDeviceMemory
+
+LIMIT = 16 << 30
+
+
+@pytest.fixture
+def reported_memory(monkeypatch):
+    """`set(free)`: from now on the devices report `free` bytes free of 16 GiB."""
+
+    def set_free(free: int):
+        stats = {"bytes_limit": LIMIT, "bytes_in_use": LIMIT - free}
+        monkeypatch.setattr(device_memory, "memory_stats", lambda device: stats)
+
+    return set_free
+
+
+@pytest.fixture
+def checkpoint(checkpoint_factory):
+    folder, _ = checkpoint_factory("qwen3", num_key_value_heads=2)
+    return folder
+
+
+def test_the_cpu_reports_no_device_memory_and_nothing_is_checked():
+    assert device_memory.free_bytes(jax.devices()) is None
+
+
+def test_weights_beyond_the_free_memory_are_refused_with_what_would_fit(checkpoint, reported_memory):
+    model = eqx_models.from_pretrained(checkpoint)  # the CPU: no check
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(model) if isinstance(a, jax.Array))
+    reported_memory(weight_bytes // 3)
+    with pytest.raises(OutOfDeviceMemory) as refused:
+        eqx_models.from_pretrained(checkpoint)
+    message = str(refused.value)
+    assert f"needs {device_memory.gib(weight_bytes)}" in message
+    assert f"{device_memory.gib(weight_bytes // 3)} free of 16.00 GiB" in message
+    assert "quantize='int8'" in message and "dtype=jnp.bfloat16" in message and "mesh=" in message
+    assert "Nothing was allocated" in message
+    # bfloat16 weights take half the bytes: they fit in 0.6 of float32's.
+    reported_memory(int(weight_bytes * 0.6))
+    half = eqx_models.from_pretrained(checkpoint, dtype=jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16
+
+
+def test_a_cache_beyond_the_free_memory_is_refused_naming_the_batch_and_length_that_fit(checkpoint, reported_memory):
+    model = eqx_models.from_pretrained(checkpoint)
+    needed = model.cache_bytes(8, 256)
+    cache = model.init_cache(8, 256)
+    assert needed == sum(a.nbytes for a in jax.tree.leaves(cache))  # the count is the cache's real size
+    free = needed * 3 // 8 + 100
+    reported_memory(free)
+    with pytest.raises(OutOfDeviceMemory) as refused:
+        model.init_cache(8, 256)
+    message = str(refused.value)
+    assert "batch 8 x 256 slots (float32)" in message and "cache_dtype='int8'" in message
+    batch = int(re.search(r"batch (\d+) at 256 slots", message).group(1))
+    slots = int(re.search(r"(\d+) slots at batch 8", message).group(1))
+    # Each is the largest that fits.
+    assert model.cache_bytes(batch, 256) <= free < model.cache_bytes(batch + 1, 256)
+    assert model.cache_bytes(8, slots) <= free < model.cache_bytes(8, slots + 1)
+    model.init_cache(batch, 256)
+    model.init_cache(8, slots)
+
+
+def test_generate_refuses_a_batch_whose_cache_does_not_fit_before_compiling(checkpoint, reported_memory):
+    model = eqx_models.from_pretrained(checkpoint)
+    ids = np.ones((4, 10), np.int32)
+    # generate's cache: the prompt padded to its bucket plus max_new_tokens, to a power of two.
+    needed = model.cache_bytes(4, 64)
+    reported_memory(needed - 1)
+    before = dict(generation.trace_counts())
+    with pytest.raises(OutOfDeviceMemory, match="generate's: the prompt padded to"):
+        eqx_models.generate(model, ids, max_new_tokens=20)
+    assert dict(generation.trace_counts()) == before  # nothing compiled, nothing allocated
+    reported_memory(needed)
+    assert eqx_models.generate(model, ids, max_new_tokens=20, eos_token_id=[]).shape == (4, 20)
+
+
+def test_xlas_out_of_memory_in_generate_becomes_an_error_with_the_sizes(checkpoint, monkeypatch):
+    model = eqx_models.from_pretrained(checkpoint)
+
+    def exhausted(*args, **kwargs):
+        raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm.")
+
+    monkeypatch.setattr(generation, "_prefill", exhausted)
+    with pytest.raises(OutOfDeviceMemory, match="batch 2 with a cache of 64 slots") as refused:
+        eqx_models.generate(model, np.ones((2, 10), np.int32), max_new_tokens=20)
+    assert "quantize='int8'" in str(refused.value) and "RESOURCE_EXHAUSTED" in str(refused.value)
+    # Any other runtime error passes through as it is.
+    monkeypatch.setattr(generation, "_prefill", lambda *a, **k: (_ for _ in ()).throw(
+        jax.errors.JaxRuntimeError("INTERNAL: something else")))
+    with pytest.raises(jax.errors.JaxRuntimeError, match="INTERNAL"):
+        eqx_models.generate(model, np.ones((2, 10), np.int32), max_new_tokens=20)
+
+
+def test_the_serving_engines_page_pool_is_refused_with_the_pages_that_fit(reported_memory):
+    from conftest import STORIES, require_fixture
+
+    from eqx_models.serving import Engine
+
+    path = require_fixture(STORIES)
+    model, tokenizer = eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
+    pool = Engine(model, tokenizer, max_num_seqs=2, page_size=4, num_pages=64).pools
+    pool_bytes = sum(a.nbytes for a in jax.tree.leaves(pool))
+    reported_memory(pool_bytes // 2)
+    with pytest.raises(OutOfDeviceMemory, match="64 pages of 4 tokens") as refused:
+        Engine(model, tokenizer, max_num_seqs=2, page_size=4, num_pages=64)
+    fitting = int(re.search(r"num_pages=(\d+)", str(refused.value)).group(1))
+    assert fitting == 32 and "kv_cache_dtype='int8'" in str(refused.value)
+    assert Engine(model, tokenizer, max_num_seqs=2, page_size=4, num_pages=fitting).allocator.num_pages == fitting
