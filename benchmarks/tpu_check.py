@@ -1,5 +1,5 @@
 """Correctness on the accelerator, in one command: the TPU backend's kernels (decode
-attention, the experts' grouped product) against the reference ops on the chip, greedy tokens of a float32 model on the chip
+attention, the experts' grouped product, splash attention over prompts) against the reference ops on the chip, greedy tokens of a float32 model on the chip
 against the same model on the host's CPU, and logits against `transformers`
 (float32 at `jax.default_matmul_precision("highest")`, and bfloat16).
 
@@ -22,7 +22,7 @@ import numpy as np
 
 import eqx_models
 from eqx_models.backends import active_backend, xla
-from eqx_models.backends.tpu import attention, experts
+from eqx_models.backends.tpu import attention, experts, splash
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # A small Qwen3 with the head size of the real ones (the attention kernel's lanes).
@@ -75,6 +75,35 @@ def check_grouped_kernel() -> list[dict]:
             limit = 1e-4 if dtype == jnp.float32 else 2e-2
             rows.append({"check": "grouped_matmul", "dtype": jnp.dtype(dtype).name, "rows": count,
                          "max_abs_error": error, "ok": error < limit and not got[int(sizes.sum()):].any()})
+    return rows
+
+
+def check_splash_kernel() -> list[dict]:
+    """Splash attention over 2,048-token prompts against the masked reference, on
+    the real tokens: causal, a sliding window, packed documents with a soft cap."""
+    rows = []
+    rng = np.random.default_rng(2)
+    batch, kv_heads, groups, seq, head_dim = 2, 8, 4, 2048, 128
+    mask = np.ones((batch, seq), np.int32)
+    mask[1, :300] = 0
+    documents = jnp.asarray(np.repeat(np.arange(4), seq // 4)[None].repeat(batch, 0), jnp.int32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+        q, k, v = normal(batch, kv_heads, groups, seq, head_dim), normal(batch, kv_heads, seq, head_dim), normal(
+            batch, kv_heads, seq, head_dim)
+        for name, window, segments, softcap in [("causal", 1 << 30, None, None), ("window 1000", 1000, None, None),
+                                                ("packed, soft cap 50", 1 << 30, documents, 50.0)]:
+            args = (q, k, v, jnp.asarray(mask), segments, window, 0.088, softcap)
+            with jax.default_matmul_precision("highest"):
+                got = np.asarray(jax.jit(lambda *a: splash.causal_attention(*a[:5], window, 0.088, softcap))(*args[:5]),
+                                 np.float32)
+                want = np.asarray(jax.jit(lambda *a: xla.causal_attention(*a[:5], window, 0.088, softcap, None))(
+                    *args[:5]), np.float32)
+            real = mask.astype(bool)[:, None, None, :, None]
+            error = float(np.abs(np.where(real, got - want, 0)).max())
+            limit = 1e-4 if dtype == jnp.float32 else 2e-2
+            rows.append({"check": "splash_attention", "case": name, "dtype": jnp.dtype(dtype).name,
+                         "max_abs_error": error, "ok": error < limit})
     return rows
 
 
@@ -134,7 +163,8 @@ def check_against_transformers() -> list[dict]:
 
 def main() -> int:
     device = jax.devices()[0]
-    rows = check_attention_kernel() + check_grouped_kernel() if jax.default_backend() == "tpu" else []
+    on_chip = jax.default_backend() == "tpu"
+    rows = check_attention_kernel() + check_grouped_kernel() + check_splash_kernel() if on_chip else []
     rows.append(check_tokens_against_the_cpu())
     rows.extend(check_against_transformers())
     for row in rows:

@@ -7,7 +7,7 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .axes import AbstractHasArrayAxes
 from .config import DecoderConfig
-from .ops import decode_attention, index_layer, write_slots
+from .ops import VisibleSlots, decode_attention, index_layer, write_slots
 
 # The dtypes a cache stores its keys and values in. "int8" keeps one float32 scale
 # per token and head beside the integers (about half of bfloat16's bytes at
@@ -128,8 +128,7 @@ class LayerKV(eqx.Module):
     def attend_token(
         self,
         query: Float[Array, "batch kv_heads groups head_dim"],
-        valid: Bool[Array, "batch kv_seq"],
-        self_valid: Bool[Array, " batch"],
+        visible: VisibleSlots,
         new_key: Float[Array, "batch kv_heads head_dim"],
         new_value: Float[Array, "batch kv_heads value_dim"],
         scale: float,
@@ -140,7 +139,7 @@ class LayerKV(eqx.Module):
             (self.values, self.value_scales) if self.values.shape[-1] else (self.keys, self.key_scales)
         )
         return decode_attention(
-            query, self.keys, values, self.index, valid, self_valid, new_key, new_value, scale, sinks,
+            query, self.keys, values, self.index, visible, new_key, new_value, scale, sinks,
             self.key_scales, value_scales,
         )
 

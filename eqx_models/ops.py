@@ -10,8 +10,10 @@ every implementation computes the same function as the reference
   `quantized_matvecs` (one layer of stacks, read in place where the backend can);
 - the experts' grouped product: `groups_experts`, `grouped_matmul` (rows
   sorted by expert, each group times its expert's weights);
+- attention: `causal_attention` (the new tokens among themselves, by metadata),
+  `masked_attention` (blocks of keys with masks: a cache and the new tokens);
 - one token's attention to a layer of the cache: `decode_attention`,
-  `paged_decode_attention`;
+  `paged_decode_attention`, the slots it sees given by positions (`VisibleSlots`);
 - the cache write: `write_slots`, `write_pages`; and reading a layer or rows:
   `index_layer`, `take_rows`, `gather_pages`;
 - the greedy pick: `greedy_rows`;
@@ -25,6 +27,7 @@ from collections.abc import Sequence
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .backends import active_backend
@@ -219,6 +222,54 @@ def grouped_matmul(
     return out.astype(rows.dtype)
 
 
+def masked_attention(
+    query: Float[Array, "batch kv_heads groups seq head_dim"],
+    keys: list[Float[Array, "batch kv_heads _ head_dim"]],
+    values: list[Float[Array, "batch kv_heads _ value_dim"]],
+    allowed: list[Bool[Array, "batch seq _"]],
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: Float[Array, "kv_heads groups"] | None = None,
+) -> Float[Array, "batch kv_heads groups seq value_dim"]:
+    """Softmax attention over several key/value blocks as if they were concatenated.
+
+    Each block comes with its own `allowed` mask (`[batch, seq, keys]`), so the
+    cached keys and the new keys of a step never need to be copied into one buffer
+    first. The last block must be the new tokens' own (causal) block. Scores and
+    the softmax are float32 whatever the activation dtype; scores are scaled by
+    `scale` (default `head_dim ** -0.5`) and, with `softcap`, squashed to
+    `softcap * tanh(score / softcap)` before the mask. `sinks` are per-head logits
+    that join every row's softmax without a value (attention sinks, gpt-oss): they
+    take a share of the weight and contribute nothing. A query that sees nothing
+    averages every key (its output is padding). Differentiable.
+    """
+    return active_backend().masked_attention(query, list(keys), list(values), list(allowed), scale, softcap, sinks)
+
+
+def causal_attention(
+    query: Float[Array, "batch kv_heads groups seq head_dim"],
+    keys: Float[Array, "batch kv_heads seq head_dim"],
+    values: Float[Array, "batch kv_heads seq value_dim"],
+    attention_mask: Int[Array, "batch seq"],
+    segment_ids: Int[Array, "batch seq"] | None,
+    window: int | Int[Array, ""],
+    scale: float,
+    softcap: float | None = None,
+    sinks: Float[Array, "kv_heads groups"] | None = None,
+) -> Float[Array, "batch kv_heads groups seq value_dim"]:
+    """The new tokens' attention to each other, with no cache: described by
+    metadata, not a mask (a backend builds one only if its kernel wants it).
+
+    Token `i` of a row sees token `j` where `j <= i`, `j` is a real token
+    (`attention_mask` 1; padding is on the left), both are in the same document
+    (`segment_ids`, packed sequences; None: one document) and `i - j < window`
+    (a sliding window; `NO_WINDOW` for none; a plain int lets a kernel specialise
+    on it). The scores as in `masked_attention`. Differentiable.
+    """
+    return active_backend().causal_attention(query, keys, values, attention_mask, segment_ids, window, scale, softcap,
+                                             sinks)
+
+
 def attends_one_token(cache_dtype, softcap: float | None) -> bool:
     """Whether a one-token step over a cache of `cache_dtype` attends through
     `decode_attention` (reading the cache in place) rather than the blocks' masked
@@ -240,13 +291,52 @@ def _checked_scales(keys: Array, values: Array, key_scales, value_scales) -> tup
     return (none if key_scales is None else key_scales, none if value_scales is None else value_scales)
 
 
+# The window of a layer that sees every earlier token (no sliding window).
+NO_WINDOW = int(jnp.iinfo(jnp.int32).max)
+
+
+class VisibleSlots(eqx.Module):
+    """Which cache slots one new token per row sees, described by positions rather
+    than by a mask (a backend builds a mask only if its kernel wants one).
+
+    Slot `s` of row `b` holds the token at position `slot_positions[b, s]` (-1: no
+    token there, unwritten or left padding); the row's new token is at
+    `query_positions[b]` (-1: the row is padding and its own token is not seen). A
+    token sees the cached tokens less than `window` positions before it (a
+    sliding window; `NO_WINDOW` for every earlier one).
+    """
+
+    slot_positions: Int[Array, "batch kv_seq"]
+    query_positions: Int[Array, " batch"]
+    window: int | Int[Array, ""]
+
+    @classmethod
+    def of_mask(
+        cls, valid: Bool[Array | np.ndarray, "batch kv_seq"], self_valid: Bool[Array | np.ndarray, " batch"]
+    ) -> "VisibleSlots":
+        """The slots `valid` marks, and the new token where `self_valid`, as positions
+        (for callers whose caches keep a mask rather than positions)."""
+        valid, self_valid = jnp.asarray(valid, bool), jnp.asarray(self_valid, bool)
+        slots = jnp.broadcast_to(jnp.arange(valid.shape[1], dtype=jnp.int32), valid.shape)
+        return cls(jnp.where(valid, slots, -1), jnp.where(self_valid, valid.shape[1], -1).astype(jnp.int32),
+                   jnp.int32(NO_WINDOW))
+
+    def valid(self) -> Bool[Array, "batch kv_seq"]:
+        """The slots each row's new token sees, as a mask."""
+        distance = self.query_positions[:, None] - self.slot_positions
+        return (self.slot_positions >= 0) & (distance < self.window)
+
+    def self_valid(self) -> Bool[Array, " batch"]:
+        """Whether each row's new token sees itself (it is a real token)."""
+        return self.query_positions >= 0
+
+
 def decode_attention(
     query: Float[Array, "batch kv_heads groups head_dim"],
     key_stack: Shaped[Array, "layers batch kv_heads kv_seq head_dim"],
     value_stack: Shaped[Array, "layers batch kv_heads kv_seq value_width"],
     layer: Int[Array, ""],
-    valid: Bool[Array, "batch kv_seq"],
-    self_valid: Bool[Array, " batch"],
+    visible: VisibleSlots,
     new_key: Float[Array, "batch kv_heads head_dim"],
     new_value: Float[Array, "batch kv_heads value_dim"],
     scale: float,
@@ -257,9 +347,9 @@ def decode_attention(
     """Softmax attention of one new token per row, float32.
 
     Each row's `groups` query heads per key/value head attend to the slots of
-    `key_stack[layer]`/`value_stack[layer]` where `valid`, and to the token's own
-    `new_key`/`new_value` where `self_valid`; a row with nothing allowed averages
-    every slot (its output is padding). A value is the first `value_dim` channels
+    `key_stack[layer]`/`value_stack[layer]` that `visible` says the row's token
+    sees, and to the token's own `new_key`/`new_value` unless the row is padding;
+    a row that sees nothing averages every slot (its output is padding). A value is the first `value_dim` channels
     of its row of `value_stack` (`value_stack` may be `key_stack` itself: values
     that are a prefix of the keys, as in Multi-head Latent Attention). `sinks`
     are per-head logits that join the softmax without a value. The stacks may be
@@ -269,8 +359,9 @@ def decode_attention(
     """
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     key_scales, value_scales = _checked_scales(key_stack, value_stack, key_scales, value_scales)
-    return active_backend().decode_attention(query, key_stack, value_stack, layer, valid, self_valid, new_key,
-                                             new_value, sinks, key_scales, value_scales, scale)
+    return active_backend().decode_attention(query, key_stack, value_stack, layer, visible.valid(),
+                                             visible.self_valid(), new_key, new_value, sinks, key_scales, value_scales,
+                                             scale)
 
 
 def paged_decode_attention(
@@ -279,8 +370,7 @@ def paged_decode_attention(
     value_pool: Shaped[Array, "layers pages kv_heads page_size value_width"],
     layer: Int[Array, ""],
     block_tables: Int[Array, "batch pages_per_row"],
-    valid: Bool[Array, "batch kv_seq"],
-    self_valid: Bool[Array, " batch"],
+    visible: VisibleSlots,
     new_key: Float[Array, "batch kv_heads head_dim"],
     new_value: Float[Array, "batch kv_heads value_dim"],
     scale: float,
@@ -293,8 +383,9 @@ def paged_decode_attention(
     Every table entry must name a page of the pool."""
     sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
     key_scales, value_scales = _checked_scales(key_pool, value_pool, key_scales, value_scales)
-    return active_backend().paged_decode_attention(query, key_pool, value_pool, layer, block_tables, valid, self_valid,
-                                                   new_key, new_value, sinks, key_scales, value_scales, scale)
+    return active_backend().paged_decode_attention(query, key_pool, value_pool, layer, block_tables, visible.valid(),
+                                                   visible.self_valid(), new_key, new_value, sinks, key_scales,
+                                                   value_scales, scale)
 
 
 def greedy_rows(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:

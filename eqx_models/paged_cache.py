@@ -12,7 +12,7 @@ from jaxtyping import Array, Bool, Float, Int, Shaped
 
 from .axes import AbstractHasArrayAxes
 from .cache import StateView, _check_scales, quantize_rows, read_rows, resolve_cache_dtype, round_as_stored
-from .ops import gather_pages, paged_decode_attention, write_pages
+from .ops import VisibleSlots, gather_pages, paged_decode_attention, write_pages
 
 
 class PagedLayerKV(eqx.Module):
@@ -50,8 +50,7 @@ class PagedLayerKV(eqx.Module):
     def attend_token(
         self,
         query: Float[Array, "batch kv_heads groups head_dim"],
-        valid: Bool[Array, "batch kv_seq"],
-        self_valid: Bool[Array, " batch"],
+        visible: VisibleSlots,
         new_key: Float[Array, "batch kv_heads head_dim"],
         new_value: Float[Array, "batch kv_heads value_dim"],
         scale: float,
@@ -62,7 +61,7 @@ class PagedLayerKV(eqx.Module):
             (self.values, self.value_scales) if self.values.shape[-1] else (self.keys, self.key_scales)
         )
         return paged_decode_attention(
-            query, self.keys, values, self.index, self.block_tables, valid, self_valid, new_key, new_value, scale,
+            query, self.keys, values, self.index, self.block_tables, visible, new_key, new_value, scale,
             sinks, self.key_scales, value_scales,
         )
 

@@ -313,19 +313,21 @@ def test_prefill_into_a_new_cache_equals_prefill_into_an_empty_one(model):
 
 
 def test_long_prompts_attend_in_query_blocks_with_the_same_result(model, monkeypatch):
-    from eqx_models.nn import attention
+    from eqx_models.backends import xla
 
     ids = random_ids((2, 23), seed=7)
     mask = np.ones((2, 23), np.int32)
     mask[0, :5] = 0
     whole, whole_cache = model.prefill(ids, 32, attention_mask=mask)
-    monkeypatch.setattr(attention, "QUERY_CHUNK", 4)  # 23 > 2 * 4: six query blocks
+    monkeypatch.setattr(xla, "QUERY_CHUNK", 4)  # 23 > 2 * 4: six query blocks
+    jax.clear_caches()  # the programs compiled above would not see the new chunk
     blocked, blocked_cache = model.prefill(ids, 32, attention_mask=mask)
     np.testing.assert_allclose(blocked[0, 5:], whole[0, 5:], atol=1e-4, rtol=0)
     np.testing.assert_allclose(blocked[1], whole[1], atol=1e-4, rtol=0)
     # Also with cached keys in front (chunked prefill of a long second chunk).
     first, _ = model(ids[:, 10:], cache=model.prefill(ids[:, :10], 32, attention_mask=mask[:, :10])[1])
-    monkeypatch.setattr(attention, "QUERY_CHUNK", 512)
+    monkeypatch.setattr(xla, "QUERY_CHUNK", 512)
+    jax.clear_caches()
     expected, _ = model(ids[:, 10:], cache=model.prefill(ids[:, :10], 32, attention_mask=mask[:, :10])[1])
     np.testing.assert_allclose(first, expected, atol=1e-4, rtol=0)
 

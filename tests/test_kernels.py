@@ -13,7 +13,7 @@ import pytest
 from eqx_models.backends import xla
 from eqx_models.backends.cpu import kernels_status
 from eqx_models.ops import (
-    decode_attention, delta_rule_step, gather_pages, headwise_matvec, paged_decode_attention, stacked_matvec,
+    VisibleSlots, decode_attention, delta_rule_step, gather_pages, headwise_matvec, paged_decode_attention, stacked_matvec,
     stacked_matvecs, write_pages, write_slots,
 )
 
@@ -255,7 +255,7 @@ def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_head
     sinks = 3 * rng.standard_normal((kv_heads, groups)).astype(np.float32) if with_sinks else None
     args = (query, keys, values, jnp.int32(layers - 1), valid, self_valid, new_key, new_value)
     scale = head_dim**-0.5
-    got = jax.jit(decode_attention, static_argnums=8)(*args, scale, sinks)
+    got = jax.jit(decode_attention, static_argnums=7)(*_visible(args, 4), scale, sinks)
     want = attention_float64(query, keys[layers - 1], values[layers - 1], valid, self_valid, new_key, new_value,
                              scale, sinks)
     assert np.isfinite(np.asarray(got)).all()
@@ -265,6 +265,12 @@ def test_decode_attention_equals_softmax_attention(dtype, layers, batch, kv_head
 
 
 NO_SCALES = (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.float32))
+
+
+def _visible(args: tuple, at: int) -> tuple:
+    """The reference's arguments (`valid`, `self_valid` at `at`) as the op takes them:
+    the two masks as `VisibleSlots`."""
+    return (*args[:at], VisibleSlots.of_mask(args[at], args[at + 1]), *args[at + 2:])
 
 
 @pytest.mark.parametrize(
@@ -292,16 +298,16 @@ def test_int8_decode_attention_equals_float64_attention_over_the_scaled_rows(
     want = attention_float64(query, scaled(keys, key_scales), scaled(values, value_scales), valid, self_valid,
                              new_key, new_value, scale)
     args = (query, keys, values, jnp.int32(layer), valid, self_valid, new_key, new_value)
-    got = jax.jit(decode_attention, static_argnums=8)(*args, scale, None, key_scales, value_scales)
+    got = jax.jit(decode_attention, static_argnums=7)(*_visible(args, 4), scale, None, key_scales, value_scales)
     assert np.isfinite(np.asarray(got)).all()
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     reference = xla.decode_attention(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
                                      scale=scale)
     np.testing.assert_allclose(reference, want, atol=1e-5, rtol=0)
     # Values that are the keys' first channels share the keys' scales.
-    got = jax.jit(decode_attention, static_argnums=8)(
-        query, keys, keys, jnp.int32(layer), valid, self_valid, new_key, new_key[..., : head_dim // 2], scale,
-        None, key_scales, key_scales,
+    got = jax.jit(decode_attention, static_argnums=7)(
+        query, keys, keys, jnp.int32(layer), VisibleSlots.of_mask(valid, self_valid), new_key,
+        new_key[..., : head_dim // 2], scale, None, key_scales, key_scales,
     )
     want = attention_float64(query, scaled(keys, key_scales), scaled(keys, key_scales), valid, self_valid, new_key,
                              new_key[..., : head_dim // 2], scale)
@@ -330,7 +336,7 @@ def test_paged_int8_decode_attention_reads_each_rows_pages_and_scales():
     want = attention_float64(query, rows(keys, key_scales), rows(values, value_scales), valid, self_valid, new_key,
                              new_value, scale)
     args = (query, keys, values, jnp.int32(1), jnp.asarray(tables), valid, self_valid, new_key, new_value)
-    got = jax.jit(paged_decode_attention, static_argnums=9)(*args, scale, None, key_scales, value_scales)
+    got = jax.jit(paged_decode_attention, static_argnums=8)(*_visible(args, 5), scale, None, key_scales, value_scales)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
     reference = xla.paged_decode_attention(*args, _sinks_or_none(None, kv_heads, groups), key_scales, value_scales,
                                            scale=scale)
@@ -339,8 +345,9 @@ def test_paged_int8_decode_attention_reads_each_rows_pages_and_scales():
 
 def test_decode_attention_wants_scales_with_an_int8_cache_only():
     keys = jnp.zeros((1, 1, 1, 4, 8), jnp.int8)
-    args = (jnp.zeros((1, 1, 1, 8)), keys, keys, jnp.int32(0), jnp.ones((1, 4), bool), jnp.ones(1, bool),
-            jnp.zeros((1, 1, 8)), jnp.zeros((1, 1, 8)), 1.0)
+    args = (jnp.zeros((1, 1, 1, 8)), keys, keys, jnp.int32(0),
+            VisibleSlots.of_mask(jnp.ones((1, 4), bool), jnp.ones(1, bool)), jnp.zeros((1, 1, 8)), jnp.zeros((1, 1, 8)),
+            1.0)
     with pytest.raises(ValueError, match="int8 key/value stacks need their scales"):
         decode_attention(*args)
     floats = jnp.zeros((1, 1, 1, 4, 8))
@@ -368,16 +375,17 @@ def test_decode_attention_reads_values_from_the_keys_first_channels(dtype, paged
     new_value = new_key[..., :value_dim]
     scale = key_dim**-0.5
     want = attention_float64(query, keys[1], keys[1], valid, self_valid, new_key, new_value, scale)
+    visible = VisibleSlots.of_mask(valid, self_valid)
     if paged:  # each row's slots in 4 pages of 6, the pages shuffled in the pool
         pages = keys.reshape(layers, batch, 1, 4, 6, key_dim).transpose(0, 1, 3, 2, 4, 5).reshape(layers, 8, 1, 6, key_dim)
         order = rng.permutation(8)
         pool = pages[:, np.argsort(order)]
         tables = jnp.asarray(order.reshape(batch, 4).astype(np.int32))
-        attend = jax.jit(paged_decode_attention, static_argnums=9)
-        got = attend(query, pool, pool, jnp.int32(1), tables, valid, self_valid, new_key, new_value, scale)
+        attend = jax.jit(paged_decode_attention, static_argnums=8)
+        got = attend(query, pool, pool, jnp.int32(1), tables, visible, new_key, new_value, scale)
     else:
-        got = jax.jit(decode_attention, static_argnums=8)(
-            query, keys, keys, jnp.int32(1), valid, self_valid, new_key, new_value, scale
+        got = jax.jit(decode_attention, static_argnums=7)(
+            query, keys, keys, jnp.int32(1), visible, new_key, new_value, scale
         )
     assert got.shape == (batch, 1, groups, value_dim)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
@@ -386,7 +394,7 @@ def test_decode_attention_reads_values_from_the_keys_first_channels(dtype, paged
 
     view = LayerKV(keys, no_values, jnp.int32(1))
     attend_token = jax.jit(lambda view, *args: view.attend_token(*args, scale))
-    got = attend_token(view, *map(jnp.asarray, (query, valid, self_valid, new_key, new_value)))
+    got = attend_token(view, jnp.asarray(query), visible, jnp.asarray(new_key), jnp.asarray(new_value))
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
@@ -435,7 +443,7 @@ def test_paged_decode_attention_reads_each_rows_pages(dtype, page_size, pages_pe
     new_key = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
     new_value = rng.standard_normal((batch, kv_heads, head_dim)).astype(np.float32)
     args = (query, keys, values, jnp.int32(1), jnp.asarray(tables), valid, self_valid, new_key, new_value)
-    got = jax.jit(paged_decode_attention, static_argnums=9)(*args, head_dim**-0.5)
+    got = jax.jit(paged_decode_attention, static_argnums=8)(*_visible(args, 5), head_dim**-0.5)
     # The reference: each row's pages copied out end to end, then contiguous attention.
     gathered = np.stack([np.concatenate([np.asarray(keys[1, p]) for p in row], axis=1) for row in tables])
     gathered_values = np.stack([np.concatenate([np.asarray(values[1, p]) for p in row], axis=1) for row in tables])
@@ -652,3 +660,18 @@ def test_greedy_rows_refuses_an_empty_vocabulary():
 
     with pytest.raises(ValueError, match="empty last axis"):
         greedy_rows(jnp.zeros((2, 0)))
+
+
+def test_visible_slots_are_the_real_tokens_within_the_window():
+    # Row 0: left padding, then positions 0-3; row 1: a ring that wrapped (slots
+    # 0-1 hold the newest tokens). Each new token is at position 4 / 7, window 3.
+    visible = VisibleSlots(jnp.asarray([[-1, 0, 1, 2, 3], [5, 6, 2, 3, 4]], jnp.int32), jnp.asarray([4, 7], jnp.int32),
+                           jnp.int32(3))
+    np.testing.assert_array_equal(visible.valid(), [[False, False, False, True, True], [True, True, False, False, False]])
+    np.testing.assert_array_equal(visible.self_valid(), [True, True])
+    # A padding row (position -1) does not see its own token.
+    assert not VisibleSlots(visible.slot_positions, jnp.asarray([4, -1], jnp.int32), jnp.int32(3)).self_valid()[1]
+    masks = (np.random.default_rng(0).random((3, 6)) < 0.5, np.asarray([True, False, True]))
+    of_mask = VisibleSlots.of_mask(*masks)
+    np.testing.assert_array_equal(of_mask.valid(), masks[0])
+    np.testing.assert_array_equal(of_mask.self_valid(), masks[1])

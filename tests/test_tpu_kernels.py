@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from eqx_models.backends import xla
-from eqx_models.backends.tpu import attention, experts
+from eqx_models.backends.tpu import attention, experts, splash
 
 
 def _case(rng, layers, batch, kv_heads, groups, kv_seq, head_dim, dtype, starts, ends):
@@ -118,3 +118,88 @@ def test_grouped_matmul_gradients_equal_the_references():
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
     assert not np.asarray(got[1])[0].any()  # the other layer's experts get no gradient
+
+
+def _prompt(rng, batch, kv_heads, groups, seq, head_dim, dtype):
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+    return normal(batch, kv_heads, groups, seq, head_dim), normal(batch, kv_heads, seq, head_dim), normal(
+        batch, kv_heads, seq, head_dim)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("window, softcap, packed", [
+    (1 << 30, None, False),  # causal
+    (100, None, False),  # a sliding window that is not a whole block
+    (1 << 30, 30.0, True),  # soft cap, packed documents
+])
+def test_splash_attention_equals_the_reference_on_real_tokens(dtype, window, softcap, packed):
+    rng = np.random.default_rng(window % 97)
+    batch, kv_heads, groups, seq, head_dim = 2, 2, 2, 256, 128
+    query, keys, values = _prompt(rng, batch, kv_heads, groups, seq, head_dim, dtype)
+    mask = np.ones((batch, seq), np.int32)
+    mask[1, :37] = 0  # left padding
+    segments = jnp.asarray(np.repeat(np.arange(4), seq // 4)[None].repeat(batch, 0), jnp.int32) if packed else None
+    args = (query, keys, values, jnp.asarray(mask), segments, window, 0.09, softcap)
+    got = np.asarray(splash.causal_attention(*args, interpret=True), np.float32)
+    want = np.asarray(xla.causal_attention(*args, None), np.float32)
+    real = mask.astype(bool)[:, None, None, :, None]  # a padding query's output is padding
+    tolerance = 2e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(np.where(real, got, 0), np.where(real, want, 0), atol=tolerance, rtol=tolerance)
+
+
+def test_splash_attention_gradients_equal_the_references():
+    rng = np.random.default_rng(3)
+    query, keys, values = _prompt(rng, 1, 1, 2, 256, 128, jnp.float32)
+    mask = jnp.ones((1, 256), jnp.int32)
+    cotangent = jnp.asarray(rng.standard_normal(query.shape), jnp.float32)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v) * cotangent)
+
+    kernel = lambda q, k, v: splash.causal_attention(q, k, v, mask, None, 1 << 30, 0.09, None, interpret=True)
+    reference = lambda q, k, v: xla.causal_attention(q, k, v, mask, None, 1 << 30, 0.09, None, None)
+    got = jax.grad(loss(kernel), argnums=(0, 1, 2))(query, keys, values)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(query, keys, values)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_whose_prompts_go_through_splash_matches_transformers(checkpoint_factory, monkeypatch):
+    """The TPU backend's choices with its splash kernel run by the interpreter: a
+    Qwen3 with 128-wide heads, left-padded prompts of 128 tokens, against
+    `transformers` on the real tokens, and its greedy tokens."""
+    import torch
+    from conftest import release_compiled_code
+
+    import eqx_models
+    from eqx_models.backends.tpu import Tpu
+
+    folder, reference = checkpoint_factory("qwen3", head_dim=128, num_key_value_heads=2)
+    model = eqx_models.from_pretrained(folder)
+    ids = np.random.default_rng(5).integers(0, reference.config.vocab_size, (2, 128))
+    mask = np.ones((2, 128), np.int64)
+    mask[1, :40] = 0
+    with torch.no_grad():
+        expected = reference(torch.tensor(ids), attention_mask=torch.tensor(mask)).logits.float().numpy()
+        reference_tokens = reference.generate(torch.tensor(ids[:1]), attention_mask=torch.tensor(mask[:1]),
+                                              max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, 128:].numpy()
+    calls = []
+
+    def through_splash(query, keys, values, attention_mask, segment_ids, window, scale, softcap, sinks):
+        assert splash.fits(query, keys, values, window, sinks)
+        calls.append(query.shape)
+        return splash.causal_attention(query, keys, values, attention_mask, segment_ids, window, scale, softcap,
+                                       interpret=True)
+
+    release_compiled_code()
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(Tpu, "causal_attention", staticmethod(through_splash))
+    try:
+        logits, _ = model(ids, attention_mask=mask)
+        tokens = eqx_models.generate(model, ids[:1], max_new_tokens=8, eos_token_id=[])
+    finally:
+        release_compiled_code()
+    assert calls  # the prompts really went through the kernel
+    real = mask.astype(bool)[..., None]
+    np.testing.assert_allclose(np.where(real, np.asarray(logits), 0), np.where(real, expected, 0), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(tokens[0], reference_tokens)

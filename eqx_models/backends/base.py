@@ -61,6 +61,13 @@ class Backend(abc.ABC):
     def quantized_matvecs(self, x: Array, stacks: tuple, layer: Array) -> tuple[Array, ...]: ...
 
     @abc.abstractmethod
+    def masked_attention(self, query, keys, values, allowed, scale, softcap, sinks) -> Array: ...
+
+    @abc.abstractmethod
+    def causal_attention(self, query, keys, values, attention_mask, segment_ids, window, scale, softcap,
+                         sinks) -> Array: ...
+
+    @abc.abstractmethod
     def grouped_matmul(self, rows: Array, stack: Array, layer: Array, group_sizes: Array) -> Array: ...
 
     @abc.abstractmethod

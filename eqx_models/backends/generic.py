@@ -46,6 +46,8 @@ class Generic(Backend):
 
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
     quantized_matvecs = staticmethod(xla.quantized_matvecs)
+    masked_attention = staticmethod(xla.masked_attention)
+    causal_attention = staticmethod(xla.causal_attention)
     grouped_matmul = staticmethod(xla.grouped_matmul)
     decode_attention = staticmethod(xla.decode_attention)
     paged_decode_attention = staticmethod(xla.paged_decode_attention)

@@ -75,6 +75,66 @@ def _layer_rows(stack: Array, scales: Array, layer: Array) -> Array:
     return rows
 
 
+# Prompts longer than twice this run attention in blocks of this many queries, each
+# against the keys up to its last query only (causal): half the work of the full
+# square, and score tiles that stay a fraction of the `[seq, seq]` matrix.
+QUERY_CHUNK = 512
+
+
+def masked_attention(query, keys, values, allowed, scale=None, softcap=None, sinks=None):
+    # Long prompts are split by query along the last (the new tokens' own, causal) block.
+    seq = query.shape[3]
+    if seq > 2 * QUERY_CHUNK:
+        outputs = []
+        for start in range(0, seq, QUERY_CHUNK):
+            stop = min(start + QUERY_CHUNK, seq)
+            # Exact, not approximate: queries before `stop` never see new keys after it.
+            outputs.append(
+                masked_attention(
+                    query[:, :, :, start:stop],
+                    keys[:-1] + [keys[-1][:, :, :stop]],
+                    values[:-1] + [values[-1][:, :, :stop]],
+                    [a[:, start:stop] for a in allowed[:-1]] + [allowed[-1][:, start:stop, :stop]],
+                    scale,
+                    softcap,
+                    sinks,
+                )
+            )
+        return jnp.concatenate(outputs, axis=3)
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = [
+        jnp.einsum("bkgtd,bksd->bkgts", query, k, preferred_element_type=jnp.float32) * scale for k in keys
+    ]
+    if softcap is not None:
+        scores = [jnp.tanh(s / softcap) * softcap for s in scores]
+    # A large finite value rather than -inf: a fully masked row (a padding query)
+    # then gets uniform weights instead of NaN, and its output is ignored anyway.
+    lowest = jnp.finfo(jnp.float32).min
+    scores = [jnp.where(m[:, None, None], s, lowest) for s, m in zip(scores, allowed)]
+    row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32)[None, :, :, None, None]
+        row_max = jnp.maximum(row_max, sinks)
+    weights = [jnp.exp(s - row_max) for s in scores]
+    total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - row_max)
+    return sum(
+        jnp.einsum("bkgts,bksd->bkgtd", (w / total).astype(v.dtype), v)
+        for w, v in zip(weights, values)
+    )
+
+
+def causal_attention(query, keys, values, attention_mask, segment_ids, window, scale, softcap, sinks):
+    seq = keys.shape[2]
+    slots = jnp.arange(seq)
+    allowed = (slots[None, :, None] >= slots[None, None, :]) & attention_mask.astype(bool)[:, None, :]
+    allowed &= slots[None, :, None] - slots[None, None, :] < window
+    if segment_ids is not None:
+        allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
+    return masked_attention(query, [keys], [values], [allowed], scale, softcap, sinks)
+
+
 def decode_attention(
     query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales, value_scales,
     scale,

@@ -10,100 +10,66 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 
 from ..axes import AbstractHasArrayAxes
 from ..config import DecoderConfig
-from ..ops import attends_one_token
+from ..ops import VisibleSlots, attends_one_token, causal_attention, masked_attention
 from .linear import Linear, project_together
 from .norm import RMSNorm
 from .rope import apply_rotary, apply_rotary_interleaved
 
 
-# Prompts longer than twice this run attention in blocks of this many queries, each
-# against the keys up to its last query only (causal): half the work of the full
-# square, and score tiles that stay a fraction of the `[seq, seq]` matrix.
-QUERY_CHUNK = 512
-
-
-def masked_softmax_attention(
-    query: Float[Array, "batch kv_heads groups seq head_dim"],
-    keys: list[Float[Array, "batch kv_heads _ head_dim"]],
-    values: list[Float[Array, "batch kv_heads _ value_dim"]],
-    allowed: list[Bool[Array, "batch seq _"]],
-    scale: float | None = None,
-    softcap: float | None = None,
-    sinks: Float[Array, "kv_heads groups"] | None = None,
-) -> Float[Array, "batch kv_heads groups seq value_dim"]:
-    """Softmax attention over several key/value blocks as if they were concatenated.
-
-    Each block comes with its own `allowed` mask, so the cached keys and the new keys
-    of a step never need to be copied into one buffer first. Scores and the softmax
-    are float32 whatever the activation dtype. The last block must be the new
-    tokens' own (causal) block: long prompts are split by query along it. Scores
-    are scaled by `scale` (default `head_dim ** -0.5`) and, with `softcap`, squashed
-    to `softcap * tanh(score / softcap)` before the mask. `sinks` are per-head
-    logits that join every row's softmax without a value (attention sinks, gpt-oss):
-    they take a share of the weight and contribute nothing.
-    """
-    seq = query.shape[3]
-    if seq > 2 * QUERY_CHUNK:
-        outputs = []
-        for start in range(0, seq, QUERY_CHUNK):
-            stop = min(start + QUERY_CHUNK, seq)
-            # Exact, not approximate: queries before `stop` never see new keys after it.
-            outputs.append(
-                masked_softmax_attention(
-                    query[:, :, :, start:stop],
-                    keys[:-1] + [keys[-1][:, :, :stop]],
-                    values[:-1] + [values[-1][:, :, :stop]],
-                    [a[:, start:stop] for a in allowed[:-1]] + [allowed[-1][:, start:stop, :stop]],
-                    scale,
-                    softcap,
-                    sinks,
-                )
-            )
-        return jnp.concatenate(outputs, axis=3)
-    scale = query.shape[-1] ** -0.5 if scale is None else scale
-    scores = [
-        jnp.einsum("bkgtd,bksd->bkgts", query, k, preferred_element_type=jnp.float32) * scale for k in keys
-    ]
-    if softcap is not None:
-        scores = [jnp.tanh(s / softcap) * softcap for s in scores]
-    # A large finite value rather than -inf: a fully masked row (a padding query)
-    # then gets uniform weights instead of NaN, and its output is ignored anyway.
-    lowest = jnp.finfo(jnp.float32).min
-    scores = [jnp.where(m[:, None, None], s, lowest) for s, m in zip(scores, allowed)]
-    row_max = jnp.max(jnp.stack([jnp.max(s, axis=-1) for s in scores]), axis=0)[..., None]
-    if sinks is not None:
-        sinks = sinks.astype(jnp.float32)[None, :, :, None, None]
-        row_max = jnp.maximum(row_max, sinks)
-    weights = [jnp.exp(s - row_max) for s in scores]
-    total = sum(jnp.sum(w, axis=-1, keepdims=True) for w in weights)
-    if sinks is not None:
-        total = total + jnp.exp(sinks - row_max)
-    return sum(
-        jnp.einsum("bkgts,bksd->bkgtd", (w / total).astype(v.dtype), v)
-        for w, v in zip(weights, values)
-    )
-
-
 class LayerInputs(eqx.Module):
-    """What the decoder hands every layer besides the hidden states.
+    """What the decoder hands every layer besides the hidden states: the rotary
+    tables, and which tokens each new token sees, described by positions (masks are
+    built from them where attention wants one: `new_allowed`, `cached_allowed`,
+    and for one token per row `visible_slots`).
 
-    The rotary tables and masks are those of the layer's kind (see
-    `DecoderConfig.attention_kinds`): a sliding layer's masks stop at its window,
-    a layer without rotary positions gets `cos = 1, sin = 0`.
+    The rotary tables and window are those of the layer's kind (see
+    `DecoderConfig.attention_kinds`): a sliding layer sees tokens less than its
+    window before it, a layer without rotary positions gets `cos = 1, sin = 0`.
 
     Attributes:
         cos, sin: rotary tables `[batch, seq, rotary_dim]` for the new tokens.
-        new_allowed: `[batch, seq, seq]`, which new tokens each new token may see.
-        cached_allowed: `[batch, seq, kv_seq]`, which cache slots it may see (None
-            without a cache).
+        positions: `[batch, seq]`, each new token's position (restarting at each
+            packed document's first token).
         attention_mask: `[batch, seq]`, 1 for real tokens, 0 for padding.
+        segment_ids: `[batch, seq]` document ids of packed sequences, or None.
+        slot_positions: `[batch, kv_seq]`, the position of the token in each cache
+            slot (-1: none), or None without a cache.
+        window: the layer's sliding window (`eqx_models.ops.NO_WINDOW`: none); a
+            plain int where every layer has the same, so kernels can specialise.
     """
 
     cos: Float[Array, "batch seq rotary_dim"]
     sin: Float[Array, "batch seq rotary_dim"]
-    new_allowed: Bool[Array, "batch seq seq"]
-    cached_allowed: Bool[Array, "batch seq kv_seq"] | None
+    positions: Int[Array, "batch seq"]
     attention_mask: Int[Array, "batch seq"]
+    segment_ids: Int[Array, "batch seq"] | None
+    slot_positions: Int[Array, "batch kv_seq"] | None
+    window: int | Int[Array, ""]
+
+    def _in_window(self, keys: Int[Array, "batch keys"]) -> Bool[Array, "batch seq keys"]:
+        # Keys among the last `window` positions of each query (itself included),
+        # as `transformers` masks them.
+        return self.positions[:, :, None] - keys[:, None, :] < self.window
+
+    def new_allowed(self) -> Bool[Array, "batch seq seq"]:
+        """Which new tokens each new token sees: earlier or itself, real, in its
+        document and its window."""
+        seq = self.positions.shape[1]
+        allowed = jnp.tril(jnp.ones((seq, seq), bool))[None] & self.attention_mask.astype(bool)[:, None, :]
+        if self.segment_ids is not None:
+            allowed &= self.segment_ids[:, :, None] == self.segment_ids[:, None, :]
+        return allowed & self._in_window(self.positions)
+
+    def cached_allowed(self) -> Bool[Array, "batch seq kv_seq"] | None:
+        """Which cache slots each new token sees (None without a cache)."""
+        if self.slot_positions is None:
+            return None
+        return (self.slot_positions >= 0)[:, None, :] & self._in_window(self.slot_positions)
+
+    def visible_slots(self) -> VisibleSlots:
+        """The slots the first new token of each row sees, as the decode op takes them."""
+        query = jnp.where(self.attention_mask[:, 0] > 0, self.positions[:, 0], -1)
+        return VisibleSlots(self.slot_positions, query, self.window)
 
 
 def use_decode_kernel(seq: int, cached, softcap: float | None = None) -> bool:
@@ -140,7 +106,7 @@ def attend(
     place. `k` and `v` are this step's own (already rotated). Scores are scaled by
     `scale` and, with `softcap`, squashed to `softcap * tanh(score / softcap)`;
     `sinks` (one logit per query head) join each softmax (see
-    `masked_softmax_attention`).
+    `eqx_models.ops.masked_attention`).
     """
     batch, num_heads, seq, head_dim = q.shape
     num_kv_heads = k.shape[1]
@@ -151,8 +117,7 @@ def attend(
         stored_k, stored_v = _as_stored(cached, k[:, :, 0], v[:, :, 0])
         out = cached.attend_token(
             q.reshape(batch, num_kv_heads, groups, head_dim).astype(jnp.float32),
-            inputs.cached_allowed[:, 0],
-            inputs.new_allowed[:, 0, 0],
+            inputs.visible_slots(),
             stored_k,
             stored_v,
             scale,
@@ -163,16 +128,16 @@ def attend(
             stored_k, stored_v = _as_stored(cached, k, v)
             k, v = stored_k.astype(k.dtype), stored_v.astype(v.dtype)
         q = q.reshape(batch, num_kv_heads, groups, seq, head_dim)
-        keys, values, allowed = [k], [v], [inputs.new_allowed]
-        if cached is not None:
+        head_sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)
+        if cached is None:  # the new tokens among themselves: metadata, no mask
+            out = causal_attention(q, k, v, inputs.attention_mask, inputs.segment_ids, inputs.window, scale, softcap,
+                                   head_sinks)
+        else:
             cached_keys, cached_values = cached.materialize(k.dtype)
             if cached_values.shape[-1] < v.shape[-1]:  # no value rows: the keys' first channels
                 cached_values = cached_keys[..., : v.shape[-1]]
-            keys.insert(0, cached_keys)
-            values.insert(0, cached_values)
-            allowed.insert(0, inputs.cached_allowed)
-        head_sinks = None if sinks is None else sinks.reshape(num_kv_heads, groups)
-        out = masked_softmax_attention(q, keys, values, allowed, scale, softcap, head_sinks)
+            out = masked_attention(q, [cached_keys, k], [cached_values, v],
+                                   [inputs.cached_allowed(), inputs.new_allowed()], scale, softcap, head_sinks)
     return out.reshape(batch, num_heads, seq, -1).transpose(0, 2, 1, 3)
 
 

@@ -227,7 +227,16 @@ class CausalLM(eqx.Module):
 
     def cache_bytes(self, batch_size: int, max_length: int, dtype=None) -> int:
         """Bytes per device of `init_cache(batch_size, max_length, dtype)`, from shapes
-        alone (nothing is allocated)."""
+        alone (nothing is allocated).
+
+        Args:
+            batch_size: rows.
+            max_length: slots per row.
+            dtype: the cache dtype (see `init_cache`); defaults to the model's.
+
+        Returns:
+            The bytes of the cache's arrays on each device (all of them off a mesh).
+        """
         dtype = resolve_cache_dtype(dtype or self.dtype)
         arguments = (self.config, batch_size, max_length, dtype, self.model.ring_window)
         shapes = jax.eval_shape(lambda: KVCache.for_config(*arguments))
@@ -236,11 +245,21 @@ class CausalLM(eqx.Module):
         return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(shapes))
 
     def check_cache_fits(self, batch_size: int, max_length: int, dtype=None, *, note: str = "") -> None:
-        """Refuses (`OutOfDeviceMemory`) a cache of `batch_size` x `max_length` slots
-        that the model's accelerator does not have the free memory for, before it is
-        allocated; the message gives the bytes needed and free, the largest batch
-        and length that fit, and the int8 cache's size. Nothing is checked on the
-        CPU or while tracing. `note` is added to the message (how a caller sized the cache)."""
+        """Refuses a cache that the model's accelerator has not the free memory for,
+        before it is allocated. Nothing is checked on the CPU (it reports no device
+        memory) or while tracing.
+
+        Args:
+            batch_size: rows.
+            max_length: slots per row.
+            dtype: the cache dtype (see `init_cache`); defaults to the model's.
+            note: added to the message (how a caller sized the cache).
+
+        Raises:
+            OutOfDeviceMemory: the cache needs more than the least free memory among
+                the model's devices; the message gives the bytes needed and free,
+                the largest batch and length that fit, and the int8 cache's size.
+        """
         devices = self.devices()
         if not devices:
             return
@@ -264,7 +283,12 @@ class CausalLM(eqx.Module):
         refuse_unless_fits(what, needed, devices, fixes)
 
     def devices(self) -> list:
-        """The devices holding the model's arrays ([] while tracing)."""
+        """The devices holding the model's arrays.
+
+        Returns:
+            The mesh's devices on a mesh, else those of the model's first array;
+            [] while the model is being traced.
+        """
         if self.placement is not None:
             mesh_devices = getattr(self.placement.mesh, "devices", None)  # an abstract mesh has none
             return [] if mesh_devices is None else list(mesh_devices.flat)

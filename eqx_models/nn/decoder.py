@@ -11,6 +11,7 @@ from .. import sharding
 from ..architecture import architecture_of
 from ..cache import KVCache
 from ..config import DecoderConfig
+from ..ops import NO_WINDOW
 from ..paged_cache import PagedKVCache
 from ..sharding import stacked_field
 from .attention import AbstractAttention, Attention, LayerInputs
@@ -213,22 +214,14 @@ class Decoder(eqx.Module):
             return self.layers.mlp.substack_layers("mlp.")
         return {}
 
-    def _layer_inputs(self, positions, new_allowed, cache, attention_mask) -> list[LayerInputs]:
-        """The rotary tables and masks of each kind of layer."""
-        cached_allowed = None
-        if cache is not None:
-            cached_allowed = jnp.broadcast_to(cache.valid[:, None, :], (cache.batch_size, positions.shape[1], cache.max_length))
+    def _layer_inputs(self, positions, attention_mask, segment_ids, cache) -> list[LayerInputs]:
+        """The rotary tables and window of each kind of layer, with the positions."""
+        slot_positions = None if cache is None else cache.slot_positions
         out = []
         for rotary, window in zip(self.kinds, self.windows):
             cos, sin = rotary(positions)
-            new, cached = new_allowed, cached_allowed
-            if window is not None:
-                # Keys among the last `window` positions of each query (itself
-                # included), as `transformers` masks them.
-                in_window = lambda keys: positions[:, :, None] - keys[:, None, :] < window
-                new = new & in_window(positions)
-                cached = None if cache is None else cached & in_window(cache.slot_positions)
-            out.append(LayerInputs(cos, sin, new, cached, attention_mask))
+            window = NO_WINDOW if window is None else window
+            out.append(LayerInputs(cos, sin, positions, attention_mask, segment_ids, slot_positions, window))
         return out
 
     def __call__(
@@ -250,7 +243,6 @@ class Decoder(eqx.Module):
         documents, no cache) keeps attention within each run of equal ids and
         restarts positions at each run's first token.
         """
-        seq = input_ids.shape[1]
         if segment_ids is not None and (cache is not None or new_cache_length is not None):
             raise ValueError("segment_ids (packed sequences) are for a forward pass without a cache.")
         x = sharding.constrain(self.embed_tokens(input_ids), ("batch", None, None))
@@ -258,12 +250,9 @@ class Decoder(eqx.Module):
             positions = jnp.maximum(jnp.cumsum(attention_mask, axis=-1) - 1, 0)
         else:
             positions = cache.new_positions(attention_mask)
-        causal = jnp.tril(jnp.ones((seq, seq), bool))
-        new_allowed = causal[None] & attention_mask.astype(bool)[:, None, :]
         if segment_ids is not None:
-            new_allowed &= segment_ids[:, :, None] == segment_ids[:, None, :]
             positions = _positions_in_segments(segment_ids)
-        kinds = self._layer_inputs(positions, new_allowed, cache, attention_mask)
+        kinds = self._layer_inputs(positions, attention_mask, segment_ids, cache)
         if len(kinds) > 1:
             stacked = jax.tree.map(lambda *a: jnp.stack(a), *kinds)
             kind_of = jnp.asarray(self.layer_kinds, jnp.int32)

@@ -632,6 +632,8 @@ class Cpu(Backend):
     def quantized_matvecs(x: Array, stacks: tuple, layer: Array) -> tuple[Array, ...]:
         return _quantized_matvecs(x, stacks, layer)
 
+    masked_attention = staticmethod(xla.masked_attention)
+    causal_attention = staticmethod(xla.causal_attention)
     grouped_matmul = staticmethod(xla.grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
     paged_decode_attention = staticmethod(_paged_decode_attention)

@@ -3,7 +3,9 @@
 - one token's attention to the dense cache (`attention.py`): reads each row's
   live blocks of slots only, the layer's slice in place;
 - the experts' grouped product (`experts.py`): megablox `gmm` over the layer's
-  used experts, read in place.
+  used experts, read in place;
+- the new tokens' attention to each other (`splash.py`): splash attention over
+  the blocks its causal or sliding-window mask keeps.
 """
 
 import jax
@@ -13,7 +15,7 @@ from jaxtyping import Array
 from .. import xla
 from ..base import Backend
 from ..generic import index_layer, take_rows
-from . import attention, experts
+from . import attention, experts, splash
 
 
 def _decode_attention(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales,
@@ -32,6 +34,14 @@ def _grouped_matmul(rows, stack, layer, group_sizes):
         return xla.grouped_matmul(rows, stack, layer, group_sizes)
     return jax.lax.platform_dependent(rows, stack, layer, group_sizes, tpu=experts.grouped_matmul,
                                       default=xla.grouped_matmul)
+
+
+def _causal_attention(query, keys, values, attention_mask, segment_ids, window, scale, softcap, sinks):
+    reference = lambda q, k, v, m, s: xla.causal_attention(q, k, v, m, s, window, scale, softcap, sinks)
+    if not splash.fits(query, keys, values, window, sinks):
+        return reference(query, keys, values, attention_mask, segment_ids)
+    kernel = lambda q, k, v, m, s: splash.causal_attention(q, k, v, m, s, window, scale, softcap)
+    return jax.lax.platform_dependent(query, keys, values, attention_mask, segment_ids, tpu=kernel, default=reference)
 
 
 class Tpu(Backend):
@@ -69,6 +79,8 @@ class Tpu(Backend):
 
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
     quantized_matvecs = staticmethod(xla.quantized_matvecs)
+    masked_attention = staticmethod(xla.masked_attention)
+    causal_attention = staticmethod(_causal_attention)
     grouped_matmul = staticmethod(_grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
     paged_decode_attention = staticmethod(xla.paged_decode_attention)
