@@ -53,8 +53,9 @@ def refuse_unless_fits(what: str, needed: int, devices: Iterable[jax.Device], fi
         return
     available, limit, device = free
     options = "".join(f"\n  - {fix}" for fix in fixes) if fixes else ""
+    exact = lambda count: f"{gib(count)} ({count:,} bytes)"
     raise OutOfDeviceMemory(
-        f"{what} needs {gib(needed)} on {device}, which has {gib(available)} free of {gib(limit)} "
+        f"{what} needs {exact(needed)} on {device}, which has {exact(available)} free of {gib(limit)} "
         f"(the rest holds arrays already there: weights, caches, programs). Nothing was allocated."
         + (f" What would fit:{options}" if options else "")
     )

@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from .checkpoint import checkpoint_name, to_jax
+from .device_memory import gib, refuse_unless_fits
 from .config import (
     POSITIVE_INTEGER,
     POSITIVE_NUMBER,
@@ -698,6 +699,7 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     skeleton = eqx.filter_eval_shape(CausalLM, config, key=jax.random.key(0), scan_layers=scan_layers)
     packable = {(*path, jax.tree_util.GetAttrKey("weight")): axes for path, _, axes in quantizable_layers(skeleton)}
     arrays, packed = load_leaves(file, skeleton, packable, dtype)
+    _refuse_beyond_device_memory(path, arrays, packed, dtype)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     model = jax.tree_util.tree_unflatten(treedef, [
         jax.numpy.zeros((), leaf.dtype) if array is None else to_jax(array)
@@ -719,6 +721,20 @@ def load_gguf(path: Path, *, dtype=None, scan_layers: bool = True, mesh=None, sh
     if mesh is not None:
         model = shard_model(model, mesh, sharding)
     return model
+
+
+def _refuse_beyond_device_memory(path: Path, arrays: list, packed: dict, dtype: np.dtype) -> None:
+    """Refuses (`OutOfDeviceMemory`) a file whose weights, as read, are more than the
+    default device's free memory: they all go there first (then onto a mesh)."""
+    needed = sum(a.nbytes for a in arrays if a is not None)
+    needed += sum(part.nbytes for parts in packed.values() for part in parts[1:] if part is not None)
+    fixes = []
+    if not packed:
+        fixes.append("a Q8_0 or Q4_0 file of the model (its weights load packed: about a half or a quarter of "
+                     "bfloat16's bytes)")
+    if dtype == np.float32:
+        fixes.append(f"dtype=jnp.bfloat16 (about {gib(needed / 2)})")
+    refuse_unless_fits(f"The weights of {path} ({dtype.name})", needed, [jax.devices()[0]], fixes)
 
 
 def _at(tree, path):

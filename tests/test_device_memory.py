@@ -44,8 +44,8 @@ def test_weights_beyond_the_free_memory_are_refused_with_what_would_fit(checkpoi
     with pytest.raises(OutOfDeviceMemory) as refused:
         eqx_models.from_pretrained(checkpoint)
     message = str(refused.value)
-    assert f"needs {device_memory.gib(weight_bytes)}" in message
-    assert f"{device_memory.gib(weight_bytes // 3)} free of 16.00 GiB" in message
+    assert f"needs {device_memory.gib(weight_bytes)} ({weight_bytes:,} bytes)" in message
+    assert f"({weight_bytes // 3:,} bytes) free of 16.00 GiB" in message
     assert "quantize='int8'" in message and "dtype=jnp.bfloat16" in message and "mesh=" in message
     assert "Nothing was allocated" in message
     # bfloat16 weights take half the bytes: they fit in 0.6 of float32's.
@@ -64,6 +64,7 @@ def test_a_cache_beyond_the_free_memory_is_refused_naming_the_batch_and_length_t
     with pytest.raises(OutOfDeviceMemory) as refused:
         model.init_cache(8, 256)
     message = str(refused.value)
+    assert f"({needed:,} bytes)" in message and f"({free:,} bytes) free" in message
     assert "batch 8 x 256 slots (float32)" in message and "cache_dtype='int8'" in message
     batch = int(re.search(r"batch (\d+) at 256 slots", message).group(1))
     slots = int(re.search(r"(\d+) slots at batch 8", message).group(1))
@@ -120,3 +121,20 @@ def test_the_serving_engines_page_pool_is_refused_with_the_pages_that_fit(report
     fitting = int(re.search(r"num_pages=(\d+)", str(refused.value)).group(1))
     assert fitting == 32 and "kv_cache_dtype='int8'" in str(refused.value)
     assert Engine(model, tokenizer, max_num_seqs=2, page_size=4, num_pages=fitting).allocator.num_pages == fitting
+
+
+def test_a_gguf_file_beyond_the_free_memory_is_refused_before_its_weights_go_to_the_device(reported_memory, tmp_path):
+    from conftest import STORIES, require_fixture
+    from gguf_tools import convert
+
+    path = convert(require_fixture(STORIES), tmp_path / "stories-f32.gguf")
+    model = eqx_models.from_pretrained(path)  # the CPU: no check
+    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(model) if isinstance(a, jax.Array))
+    reported_memory(weight_bytes // 2)
+    with pytest.raises(OutOfDeviceMemory) as refused:
+        eqx_models.from_pretrained(path)
+    message = str(refused.value)
+    assert f"needs {device_memory.gib(weight_bytes)} ({weight_bytes:,} bytes)" in message and "(float32)" in message
+    assert "Q8_0" in message and "dtype=jnp.bfloat16" in message
+    reported_memory(weight_bytes)
+    assert eqx_models.from_pretrained(path).dtype == jnp.float32
