@@ -4,13 +4,15 @@
 #   source .tpu/setup.sh && bash benchmarks/tpu_session.sh [STEP ...]
 #
 # STEP is any of check, decode, decode4b, prefill, moe (default: all, in that order). Each
-# step runs in its own process (about 15 s to open the chip) under its own time limit, so a
-# step that hangs or fails leaves the others' results; its output goes to
-# benchmarks/results/tpu_<step>.log and, with the JSON, to $OUT when the device tool sets it.
+# step runs in its own process (about 15 s to open the chip) under its own time limit (all
+# five within the device tool's 600 s a call), so a step that hangs or fails leaves the
+# others' results; its log goes to benchmarks/results/tpu_<step>.log and, with the JSON the
+# step wrote, to $OUT when the device tool sets it.
 set -u
 cd "$(dirname "$0")"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check decode decode4b prefill moe)
+declare -A limit=([check]=100 [decode]=140 [decode4b]=110 [prefill]=80 [moe]=110)
 declare -A command=(
     [check]="python3 tpu_check.py"
     [decode]="python3 tpu_decode.py --shape 0.6b"
@@ -22,8 +24,12 @@ for step in "${steps[@]}"; do
     [ -n "${command[$step]:-}" ] || { echo "unknown step $step (one of ${!command[*]})"; exit 2; }
     echo "== $step: ${command[$step]}"
     start=$SECONDS
-    timeout 240 ${command[$step]} > "results/tpu_$step.log" 2>&1
+    touch "results/.tpu_$step.start"
+    timeout "${limit[$step]}" ${command[$step]} > "results/tpu_$step.log" 2>&1
     echo "== $step: exit $? after $((SECONDS - start)) s"
     tail -n 5 "results/tpu_$step.log"
-    if [ -n "${OUT:-}" ]; then cp "results/tpu_$step.log" results/tpu_*.json "$OUT/" 2>/dev/null; fi
+    if [ -n "${OUT:-}" ]; then  # this step's log and only the JSON it wrote, never an older one
+        find results -maxdepth 1 -name 'tpu_*' -newer "results/.tpu_$step.start" -exec cp {} "$OUT/" \;
+    fi
+    rm -f "results/.tpu_$step.start"
 done

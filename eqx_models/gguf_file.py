@@ -28,7 +28,6 @@ import ml_dtypes
 import numpy as np
 
 from .checkpoint import checkpoint_name, to_jax
-from .device_memory import gib, refuse_unless_fits
 from .config import (
     POSITIVE_INTEGER,
     POSITIVE_NUMBER,
@@ -37,6 +36,7 @@ from .config import (
     is_positive_integer,
     is_positive_number,
 )
+from .device_memory import gib, refuse_unless_fits
 from .nn.rope import inverse_frequencies
 from .safetensors_file import CheckpointError, aligned_empty
 

@@ -273,7 +273,6 @@ def from_pretrained(
     tiled = tiled if tiled and tiles_pay() else set()  # asked only of quantized models: it builds their kernels
     if tiled:
         final_skeleton = eqx.filter_eval_shape(lambda m: with_layout(m, "tiles"), final_skeleton)
-    _refuse_weights_beyond_memory(final_skeleton, skeleton, float_dtype, placement, spec or saved_spec, folder)
 
     leaves, treedef = jax.tree_util.tree_flatten_with_path(skeleton)
     plan = []
@@ -318,6 +317,7 @@ def from_pretrained(
             f"The checkpoint in {folder} does not match its config.json "
             f"(model_type {config.model_type!r}):\n  {listing}"
         )
+    _refuse_weights_beyond_memory(final_skeleton, skeleton, float_dtype, placement, spec or saved_spec, folder)
 
     def load(entry):
         names, stacked, target, transposed, leaf_dtype, quantized, tiles = entry
@@ -389,9 +389,9 @@ def _refuse_weights_beyond_memory(final: CausalLM, float_skeleton: CausalLM, flo
         int8_spec = dataclasses.replace(spec_for("int8"), keep_indivisible=True)
         int8 = per_device(_quantized_skeleton(float_skeleton, int8_spec, float_dtype), cast=False)
         fixes.append(f"quantize='int8' ({gib(int8)}{'' if int8 <= free[0] else ', still too large'})")
-    if float_dtype == jnp.float32:
+    if float_dtype == jnp.float32 and spec is None:
         fixes.append(f"dtype=jnp.bfloat16 (about {gib(needed / 2)})")
-    fixes.append(f"a mesh of about {-(-needed // max(free[0], 1)) * len(devices)} devices or more (mesh=...), "
+    fixes.append(f"a mesh of about {-(-needed * len(devices) // max(free[0], 1))} devices or more (mesh=...), "
                  "the weights split over them")
     what = f"The weights of {folder} ({len(devices)} device{'s' if len(devices) > 1 else ''}, {np.dtype(float_dtype).name})"
     refuse_unless_fits(what, needed, devices, fixes)

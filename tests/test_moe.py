@@ -89,13 +89,17 @@ def test_an_moe_config_without_experts_is_refused(checkpoint_factory, tmp_path):
 def test_grouped_experts_match_transformers(platform, model_type, overrides, checkpoint_factory, monkeypatch):
     """Off the CPU the experts run as grouped products over every assignment
     (`grouped_matmul`); here with the backend a TPU or GPU process picks (its
-    policies, the reference ops where its kernels cannot run on the CPU)."""
+    policies, the reference ops where its kernels cannot run on the CPU). The TPU
+    groups only experts whose widths its kernel tiles, so its models are wider."""
     from conftest import release_compiled_code, torch_logits
     import torch
 
     from eqx_models.backends import active_backend
     from eqx_models.ops import groups_experts
 
+    if platform == "tpu":  # expert widths the TPU's grouped kernel tiles (multiples of 128)
+        width = "intermediate_size" if model_type in ("gpt_oss", "mixtral") else "moe_intermediate_size"
+        overrides = dict(overrides, hidden_size=128, **{width: 128})
     folder, reference = checkpoint_factory(model_type, **overrides)
     model = eqx_models.from_pretrained(folder)
     ids = np.random.default_rng(1).integers(0, reference.config.vocab_size, (2, 24))
@@ -107,7 +111,7 @@ def test_grouped_experts_match_transformers(platform, model_type, overrides, che
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     try:
         assert active_backend().name == platform
-        assert groups_experts(jnp.zeros((2, 4, 8, 16)))
+        assert groups_experts(jnp.zeros((4, 128, 256)))  # [experts, out, in]
         assert "ragged_dot_general" in str(jax.make_jaxpr(lambda i: model(i)[0])(ids))
         logits, _ = model(ids)
         np.testing.assert_allclose(np.asarray(logits), expected, atol=1e-4, rtol=0)

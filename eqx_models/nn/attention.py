@@ -35,7 +35,8 @@ class LayerInputs(eqx.Module):
         slot_positions: `[batch, kv_seq]`, the position of the token in each cache
             slot (-1: none), or None without a cache.
         window: the layer's sliding window (`eqx_models.ops.NO_WINDOW`: none); a
-            plain int where every layer has the same, so kernels can specialise.
+            plain int in a model with one kind of layer (kernels can specialise on
+            it), a traced one where kinds alternate.
     """
 
     cos: Float[Array, "batch seq rotary_dim"]

@@ -273,12 +273,13 @@ class CausalLM(eqx.Module):
         per_row = self.cache_bytes(1, max_length, dtype)
         if available >= per_row:
             fixes.append(f"batch {available // per_row} at {max_length} slots")
-        per_slot = (self.cache_bytes(batch_size, 2 * max_length, dtype) - needed) / max_length
+        per_slot = self.cache_bytes(batch_size, max_length + 1, dtype) - needed  # 0 for a ring already full
         if per_slot > 0 and available > needed - per_slot * max_length:
             fixes.append(f"{int((available - (needed - per_slot * max_length)) // per_slot)} slots at batch {batch_size}")
         if dtype != jnp.int8:
             smaller = self.cache_bytes(batch_size, max_length, "int8")
             fixes.append(f"cache_dtype='int8' ({gib(smaller)}{'' if smaller <= available else ', still too large'})")
+        fixes.append("(each of these fills the free memory: leave room for the program's temporaries)")
         what = f"A KV cache of batch {batch_size} x {max_length} slots ({jnp.dtype(dtype).name}){note}"
         refuse_unless_fits(what, needed, devices, fixes)
 

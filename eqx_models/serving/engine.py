@@ -227,7 +227,7 @@ class Engine:
             f"The serving engine's KV cache ({num_pages} pages of {page_size} tokens, {kv_cache_dtype.name})",
             pool_bytes, model.devices(),
             [f"num_pages={fitting} ({fitting * page_size} tokens)" if fitting and fitting > 0 else
-             "no page at all: free device memory first", "kv_cache_dtype='int8'"],
+             "no page at all: free device memory first"] + ([] if kv_cache_dtype == jnp.int8 else ["kv_cache_dtype='int8'"]),
         )
         self.pools = self._empty_pools()
         eos = tokenizer.eos_token_ids or config.eos_token_id

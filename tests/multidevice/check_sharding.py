@@ -244,9 +244,10 @@ def test_loss_and_gradients_on_a_mesh_equal_single_device(references, model_name
     ("qwen3_moe_mixed", {"fsdp": 2, "tensor": 2, "expert": 2}, None),
 ])
 def test_grouped_experts_on_a_mesh_equal_the_cpus_blocks(references, model_name, shape, rules, monkeypatch):
-    """The experts as the TPU backend runs them (grouped products over every
-    assignment; XLA's ragged dot where its kernel cannot run), per device inside
-    `shard_map`, against the CPU's block loop on one device; and their gradients."""
+    """The experts as a GPU's backend runs them (grouped products over every
+    assignment, XLA's ragged dot; the TPU's differ only in the kernel), per device
+    inside `shard_map`, against the CPU's block loop on one device; and their
+    gradients."""
     from eqx_models import causal_lm_loss
     from eqx_models.ops import groups_experts
 
@@ -256,9 +257,9 @@ def test_grouped_experts_on_a_mesh_equal_the_cpus_blocks(references, model_name,
     grad = eqx.filter_jit(eqx.filter_value_and_grad(causal_lm_loss))
     loss, grads = grad(from_pretrained(folder, dtype=jnp.float32), ids, labels, mask)
     jax.clear_caches()
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     try:
-        assert groups_experts(jnp.zeros((1, 8, 4, 4)))
+        assert groups_experts(jnp.zeros((8, 4, 4)))  # [experts, out, in]
         model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(shape), sharding=rules)
         got = run(model, ids, mask)
         assert np.max(np.abs(got["logits"] - expected["logits"])) < 1e-4
@@ -266,7 +267,7 @@ def test_grouped_experts_on_a_mesh_equal_the_cpus_blocks(references, model_name,
         np.testing.assert_array_equal(got["tokens"], expected["tokens"])
         mesh_loss, mesh_grads = grad(model, ids, labels, mask)
     finally:
-        jax.clear_caches()  # programs traced for the TPU backend must not serve the CPU's calls
+        jax.clear_caches()  # programs traced for another backend must not serve the CPU's calls
     assert abs(float(mesh_loss) - float(loss)) < 1e-5
     for a, b in zip(jax.tree.leaves(eqx.filter(mesh_grads, eqx.is_array)), jax.tree.leaves(eqx.filter(grads, eqx.is_array))):
         assert np.max(np.abs(np.asarray(a) - np.asarray(b))) <= 1e-4 * max(np.max(np.abs(np.asarray(b))), 1e-6)

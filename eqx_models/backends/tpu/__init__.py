@@ -64,8 +64,9 @@ class Tpu(Backend):
 
     def groups_experts(self, stack) -> bool:
         # One kernel over every assignment, where blocks of them would run one
-        # after another; quantized experts keep the blocks (each dequantized as read).
-        return isinstance(stack, Array)
+        # after another; quantized experts, and widths the kernel does not tile,
+        # keep the blocks (which read each used expert in place).
+        return isinstance(stack, Array) and experts.fits_stack(stack)
 
     def decode_steps_per_call(self) -> int:
         # The host waits for each donating step to finish before it launches the
