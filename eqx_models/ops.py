@@ -61,7 +61,9 @@ def is_quantized(weight: Weight) -> bool:
     return isinstance(weight.stack if isinstance(weight, LayerSlice) else weight, QuantizedWeight)
 
 
-def _as_stack(weight: Weight) -> tuple[Array | QuantizedWeight, Array]:
+def _as_stack(weight: Shaped[Array, "..."] | QuantizedWeight | LayerSlice) -> tuple[Array | QuantizedWeight, Array]:
+    """`weight` (any rank: one matrix, or the `[experts, out, in]` of a layer) as a
+    stack of one layer and index 0, or a `LayerSlice`'s stack and index."""
     if isinstance(weight, LayerSlice):
         return weight.stack, weight.index
     return jax.tree.map(lambda a: a[None], weight), jnp.int32(0)
@@ -186,14 +188,7 @@ def groups_experts(stack: Array | QuantizedWeight | LayerSlice) -> bool:
     (`[experts, out, in]`, or a `LayerSlice` of `[layers, experts, out, in]`) runs
     them as `grouped_matmul`s over all its assignments at once, rather than one
     block of assignments at a time."""
-    return active_backend().groups_experts(_expert_stack(stack)[0])
-
-
-def _expert_stack(weight) -> tuple[Array | QuantizedWeight, Array]:
-    """`[experts, out, in]` weights as a stack of one layer, or a `LayerSlice`'s stack and index."""
-    if isinstance(weight, LayerSlice):
-        return weight.stack, weight.index
-    return jax.tree.map(lambda a: a[None], weight), jnp.int32(0)
+    return active_backend().groups_experts(_as_stack(stack)[0])
 
 
 def grouped_matmul(
@@ -209,7 +204,7 @@ def grouped_matmul(
     float, `[groups, out, in]` or one layer of a `[layers, groups, out, in]` stack
     (read in place where the backend can). Differentiable.
     """
-    stack, layer = _expert_stack(weight)
+    stack, layer = _as_stack(weight)
     if isinstance(stack, QuantizedWeight):
         raise ValueError("grouped_matmul: the weights are quantized; quantized experts run block by block "
                          "(`groups_experts` is False for them).")

@@ -16,6 +16,11 @@ from eqx_models.device_memory import OutOfDeviceMemory
 LIMIT = 16 << 30
 
 
+def array_bytes(tree) -> int:
+    """The bytes of the arrays in `tree` (a model or a cache)."""
+    return sum(a.nbytes for a in jax.tree.leaves(tree) if isinstance(a, jax.Array))
+
+
 @pytest.fixture
 def reported_memory(monkeypatch):
     """`set(free)`: from now on the devices report `free` bytes free of 16 GiB."""
@@ -39,7 +44,7 @@ def test_the_cpu_reports_no_device_memory_and_nothing_is_checked():
 
 def test_weights_beyond_the_free_memory_are_refused_with_what_would_fit(checkpoint, reported_memory):
     model = eqx_models.from_pretrained(checkpoint)  # the CPU: no check
-    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(model) if isinstance(a, jax.Array))
+    weight_bytes = array_bytes(model)
     reported_memory(weight_bytes // 3)
     with pytest.raises(OutOfDeviceMemory) as refused:
         eqx_models.from_pretrained(checkpoint)
@@ -58,7 +63,7 @@ def test_a_cache_beyond_the_free_memory_is_refused_naming_the_batch_and_length_t
     model = eqx_models.from_pretrained(checkpoint)
     needed = model.cache_bytes(8, 256)
     cache = model.init_cache(8, 256)
-    assert needed == sum(a.nbytes for a in jax.tree.leaves(cache))  # the count is the cache's real size
+    assert needed == array_bytes(cache)  # the count is the cache's real size
     free = needed * 3 // 8 + 100
     reported_memory(free)
     with pytest.raises(OutOfDeviceMemory) as refused:
@@ -114,7 +119,7 @@ def test_the_serving_engines_page_pool_is_refused_with_the_pages_that_fit(report
     path = require_fixture(STORIES)
     model, tokenizer = eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
     pool = Engine(model, tokenizer, max_num_seqs=2, page_size=4, num_pages=64).pools
-    pool_bytes = sum(a.nbytes for a in jax.tree.leaves(pool))
+    pool_bytes = array_bytes(pool)
     reported_memory(pool_bytes // 2)
     with pytest.raises(OutOfDeviceMemory, match="64 pages of 4 tokens") as refused:
         Engine(model, tokenizer, max_num_seqs=2, page_size=4, num_pages=64)
@@ -129,7 +134,7 @@ def test_a_gguf_file_beyond_the_free_memory_is_refused_before_its_weights_go_to_
 
     path = convert(require_fixture(STORIES), tmp_path / "stories-f32.gguf")
     model = eqx_models.from_pretrained(path)  # the CPU: no check
-    weight_bytes = sum(a.nbytes for a in jax.tree.leaves(model) if isinstance(a, jax.Array))
+    weight_bytes = array_bytes(model)
     reported_memory(weight_bytes // 2)
     with pytest.raises(OutOfDeviceMemory) as refused:
         eqx_models.from_pretrained(path)
