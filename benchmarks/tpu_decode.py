@@ -17,6 +17,7 @@ accessed and its temporary memory. Writes `benchmarks/results/tpu_decode[_<shape
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -31,7 +32,8 @@ from eqx_models.generation import (
     Sampling, _decode_advancer, _jitted_step, _next_power_of_two, _prefill, _split_model,
 )
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
+RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 SPEC_BANDWIDTH = {"TPU v5 lite": 819e9, "TPU v5e": 819e9}
 
 SHAPES = {
@@ -46,8 +48,11 @@ def random_model(shape: str, layers: int | None = None, dtype=jnp.bfloat16) -> e
     sizes = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
     config = eqx_models.DecoderConfig(model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6,
                                       rms_norm_eps=1e-6, use_qk_norm=True, **sizes)
-    model = jax.jit(lambda key: eqx_models.CausalLM(config, key=key))(jax.random.key(0))
-    return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+    def build(key):  # cast inside the jit: a float32 Qwen3-4B would not fit the chip
+        model = eqx_models.CausalLM(config, key=key)
+        return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+
+    return jax.jit(build)(jax.random.key(0))
 
 
 def array_bytes(tree) -> int:
@@ -125,12 +130,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (a quick check)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights (eqx_models.quantize)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
     device = jax.devices()[0]
     bandwidth = SPEC_BANDWIDTH.get(device.device_kind)
     model = random_model(args.shape, args.layers)
+    if args.quantize:  # integers rounded from the bfloat16 weights; products with the dequantized weights
+        model = eqx_models.quantize(model, 8, group_size=128, activations="float", scale_dtype=jnp.bfloat16)
     rows = []
     for batch in args.batch_sizes:
         try:
@@ -153,12 +161,15 @@ def main() -> None:
         "shape": f"Qwen3-{args.shape.upper()}",
         "layers": model.config.num_hidden_layers,
         "dtype": "bfloat16",
+        "quantize": args.quantize,
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,
         "spec_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
     }
-    output = args.output or RESULTS / ("tpu_decode.json" if args.shape == "0.6b" else f"tpu_decode_{args.shape}.json")
+    name = "_".join(["tpu_decode"] + ([args.shape] if args.shape != "0.6b" else [])
+                    + ([f"context_{args.prompt + args.new_tokens}"] if args.prompt != 128 else []) + ([args.quantize] if args.quantize else []))
+    output = args.output or RESULTS / f"{name}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {output}")

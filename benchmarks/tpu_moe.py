@@ -19,6 +19,7 @@ Writes `benchmarks/results/tpu_moe.json`.
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -30,7 +31,8 @@ import numpy as np
 import eqx_models
 from tpu_decode import SPEC_BANDWIDTH, array_bytes, kv_bytes_per_token, measure, timed
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
+RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 PEAK_BF16_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12}
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -42,8 +44,11 @@ def random_moe(layers: int) -> eqx_models.CausalLM:
     config = eqx_models.DecoderConfig(model_type="qwen3_moe", max_position_embeddings=40960, rope_theta=1e6,
                                       rms_norm_eps=1e-6, use_qk_norm=True,
                                       **dict(QWEN3_30B_A3B, num_hidden_layers=layers))
-    model = jax.jit(lambda key: eqx_models.CausalLM(config, key=key))(jax.random.key(0))
-    return jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+    def build(key):  # cast inside the jit: the float32 model would not fit the chip
+        model = eqx_models.CausalLM(config, key=key)
+        return jax.tree.map(lambda a: a.astype(jnp.bfloat16) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+
+    return jax.jit(build)(jax.random.key(0))
 
 
 def expert_bytes(model) -> int:

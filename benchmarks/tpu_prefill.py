@@ -14,6 +14,7 @@ peak bfloat16 FLOP/s (197 TFLOP/s on a v5e) is the fraction of peak. Writes
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -24,7 +25,8 @@ import numpy as np
 
 from tpu_decode import SHAPES, random_model, timed
 
-RESULTS = Path(__file__).resolve().parent / "results"
+# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
+RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 PEAK_BF16_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12}
 
 
