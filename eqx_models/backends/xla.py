@@ -140,18 +140,23 @@ def decode_attention(
     scale,
 ):
     value_dim = new_value.shape[-1]
+    slots = valid.shape[1]
     keys = _layer_rows(key_stack, key_scales, layer)
     values = _layer_rows(value_stack, value_scales, layer)[..., :value_dim]
-    keys = jnp.concatenate([keys, new_key[:, :, None]], axis=2)
-    values = jnp.concatenate([values, new_value[:, :, None]], axis=2)
+    new_key, new_value = new_key.astype(keys.dtype), new_value.astype(values.dtype)
+    # The token's own key and value join as one more score and one more term, not
+    # appended to the cache: appending copies the layer's whole cache every step.
+    scores = jnp.concatenate([
+        jnp.einsum("bkgd,bksd->bkgs", query, keys), jnp.einsum("bkgd,bkd->bkg", query, new_key)[..., None],
+    ], axis=-1) * scale
     allowed = jnp.concatenate([valid, self_valid[:, None]], axis=1)
     allowed = allowed | ~jnp.any(allowed, axis=1, keepdims=True)  # nothing allowed: average all
-    scores = scale * jnp.einsum("bkgd,bksd->bkgs", query, keys)
     scores = jnp.where(allowed[:, None, None], scores, -jnp.inf)
     # The sink joins each row's softmax as one more logit, without a value.
     sink_column = jnp.broadcast_to(sinks[None, :, :, None], (*scores.shape[:3], 1))
-    weights = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)[..., :-1]
-    return jnp.einsum("bkgs,bksd->bkgd", weights, values)
+    weights = jax.nn.softmax(jnp.concatenate([scores, sink_column], axis=-1), axis=-1)
+    cached = jnp.einsum("bkgs,bksd->bkgd", weights[..., :slots], values)
+    return cached + weights[..., slots, None] * new_value[:, :, None]
 
 
 def take(table: Array, layer: Array, ids: Array) -> Array:
