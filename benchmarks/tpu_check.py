@@ -166,9 +166,15 @@ def check_against_transformers() -> list[dict]:
 def main() -> int:
     device = jax.devices()[0]
     on_chip = jax.default_backend() == "tpu"
-    rows = check_attention_kernel() + check_grouped_kernel() + check_splash_kernel() if on_chip else []
-    rows.append(check_tokens_against_the_cpu())
-    rows.extend(check_against_transformers())
+    checks = [check_attention_kernel, check_grouped_kernel, check_splash_kernel] if on_chip else []
+    checks += [lambda: [check_tokens_against_the_cpu()], check_against_transformers]
+    rows = []
+    for check in checks:  # one failing check (a kernel that does not compile) leaves the others' results
+        try:
+            rows.extend(check())
+        except Exception as error:
+            rows.append({"check": getattr(check, "__name__", "check"), "error": f"{type(error).__name__}: "
+                         f"{str(error)[:600]}", "ok": False})
     for row in rows:
         print(json.dumps(row))
     result = {"benchmark": "tpu_check", "device": device.device_kind, "backend": active_backend().name,

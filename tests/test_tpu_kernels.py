@@ -203,3 +203,62 @@ def test_a_model_whose_prompts_go_through_splash_matches_transformers(checkpoint
     real = mask.astype(bool)[..., None]
     np.testing.assert_allclose(np.where(real, np.asarray(logits), 0), np.where(real, expected, 0), atol=1e-4, rtol=0)
     np.testing.assert_array_equal(tokens[0], reference_tokens)
+
+
+def _dot_precisions(jaxpr) -> list:
+    """The precision of every dot in `jaxpr` and the jaxprs inside it (kernels' bodies too)."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(eqn.params["precision"])
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else [value]:
+                if isinstance(inner, jax.extend.core.ClosedJaxpr):
+                    found += _dot_precisions(inner.jaxpr)
+                elif isinstance(inner, jax.extend.core.Jaxpr):
+                    found += _dot_precisions(inner)
+    return found
+
+
+def _highest(precision) -> bool:
+    return precision is not None and jax.lax.Precision.HIGHEST in (
+        precision if isinstance(precision, tuple) else (precision,))
+
+
+def test_16_bit_kernels_trace_at_default_precision_under_highest():
+    # Mosaic refuses a 16-bit product at HIGHEST ("Bad lhs type" on the chip):
+    # forward and backward, the kernels' dots must not ask for it.
+    rng = np.random.default_rng(4)
+    stack = jnp.asarray(rng.standard_normal((2, 3, 128, 256)), jnp.bfloat16)
+    x = jnp.asarray(rng.standard_normal((24, 256)), jnp.bfloat16)
+    group_sizes = jnp.asarray([9, 0, 13], jnp.int32)
+    grouped = lambda x, stack: jnp.sum(experts.grouped_matmul(x, stack, jnp.int32(1), group_sizes, interpret=True))
+    query, keys, values = _prompt(rng, 1, 1, 2, 256, 128, jnp.bfloat16)
+    mask = jnp.ones((1, 256), jnp.int32)
+    prompt = lambda q, k, v: jnp.sum(
+        splash.causal_attention(q, k, v, mask, None, 1 << 30, 0.09, None, interpret=True).astype(jnp.float32))
+    with jax.default_matmul_precision("highest"):
+        grouped_dots = _dot_precisions(jax.make_jaxpr(jax.grad(grouped, argnums=(0, 1)))(x, stack).jaxpr)
+        splash_dots = _dot_precisions(jax.make_jaxpr(jax.grad(prompt, argnums=(0, 1, 2)))(query, keys, values).jaxpr)
+        float32_dots = _dot_precisions(jax.make_jaxpr(grouped)(x.astype(jnp.float32), stack.astype(jnp.float32)).jaxpr)
+    assert len(grouped_dots) >= 3 and len(splash_dots) >= 3  # the kernels' bodies were looked into
+    assert not any(map(_highest, grouped_dots + splash_dots))
+    assert all(map(_highest, float32_dots))  # float32 inputs keep the caller's precision
+
+
+def test_16_bit_splash_gradients_equal_the_references():
+    rng = np.random.default_rng(5)
+    query, keys, values = _prompt(rng, 1, 1, 2, 256, 128, jnp.bfloat16)
+    mask = jnp.ones((1, 256), jnp.int32)
+    cotangent = jnp.asarray(rng.standard_normal(query.shape), jnp.float32)
+
+    def loss(attention):
+        return lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32) * cotangent)
+
+    kernel = lambda q, k, v: splash.causal_attention(q, k, v, mask, None, 1 << 30, 0.09, None, interpret=True)
+    reference = lambda q, k, v: xla.causal_attention(q, k, v, mask, None, 1 << 30, 0.09, None, None)
+    got = jax.grad(loss(kernel), argnums=(0, 1, 2))(query, keys, values)
+    want = jax.grad(loss(reference), argnums=(0, 1, 2))(query, keys, values)
+    for g, w in zip(got, want):
+        assert g.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=5e-2, rtol=5e-2)

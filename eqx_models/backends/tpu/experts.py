@@ -21,6 +21,7 @@ from jax.experimental.pallas.ops.tpu.megablox.gmm import gmm, tgmm
 from jaxtyping import Array, Float, Int
 
 from ..xla import beyond_groups_zeroed
+from . import precision
 
 # Tile widths for the weights' two axes (a multiple of 128 lanes), the largest
 # that divides the axis. Rows go in tiles of up to 128, smaller when there are
@@ -83,8 +84,9 @@ def _tiling(tm: int):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
 def _layer_product(rows, flat, sizes, first, groups: int, tm: int, interpret: bool):
     """`rows` times the groups of `flat` (`[layers * groups, out, in]`) that `sizes` gives rows, float32."""
-    return gmm(rows, flat, sizes, preferred_element_type=jnp.float32, tiling=_tiling(tm), transpose_rhs=True,
-               interpret=interpret)
+    with precision.for_inputs(rows.dtype, flat.dtype):
+        return gmm(rows, flat, sizes, preferred_element_type=jnp.float32, tiling=_tiling(tm), transpose_rhs=True,
+                   interpret=interpret)
 
 
 def _layer_product_forward(rows, flat, sizes, first, groups, tm, interpret):
@@ -93,6 +95,11 @@ def _layer_product_forward(rows, flat, sizes, first, groups, tm, interpret):
 
 def _layer_product_backward(groups, tm, interpret, residuals, cotangent):
     rows, flat, sizes, first = residuals
+    with precision.for_inputs(rows.dtype, flat.dtype):
+        return _layer_product_derivative(rows, flat, sizes, first, groups, tm, interpret, cotangent)
+
+
+def _layer_product_derivative(rows, flat, sizes, first, groups, tm, interpret, cotangent):
     d_rows = gmm(cotangent.astype(flat.dtype), flat, sizes, preferred_element_type=jnp.float32, tiling=_tiling(tm),
                  transpose_rhs=False, interpret=interpret)
     # Row group g's outer product with its cotangents, for the layer's groups only.

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jaxtyping import Array, Float, Int
 
+from . import precision
+
 # The largest of these that divides the sequence is the kernel's block of queries
 # and of keys (forward and backward).
 BLOCK_SIZES = (512, 256, 128)
@@ -87,5 +89,6 @@ def causal_attention(
         return kernel(q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids))
 
     per_row = jax.vmap(one_head, in_axes=(0, 0, 0, None))
-    out = jax.vmap(per_row)((query * scale).astype(query.dtype), keys, values, documents)
+    heads = precision.traced_for_inputs(jax.vmap(per_row), query.dtype, keys.dtype, values.dtype)
+    out = heads((query * scale).astype(query.dtype), keys, values, documents)
     return out.astype(values.dtype)
