@@ -44,13 +44,17 @@ SHAPES = {
 }
 
 
-def random_model(shape: str, layers: int | None = None, dtype=jnp.bfloat16) -> eqx_models.CausalLM:
+def random_model(shape: str, layers: int | None = None, dtype=jnp.bfloat16, quantize: str | None = None
+                 ) -> eqx_models.CausalLM:
     sizes = dict(SHAPES[shape], **({"num_hidden_layers": layers} if layers else {}))
     config = eqx_models.DecoderConfig(model_type="qwen3", max_position_embeddings=40960, rope_theta=1e6,
                                       rms_norm_eps=1e-6, use_qk_norm=True, **sizes)
-    def build(key):  # cast inside the jit: a float32 Qwen3-4B would not fit the chip
+    def build(key):  # cast and quantize inside the jit: a float32 Qwen3-4B would not fit the chip
         model = eqx_models.CausalLM(config, key=key)
-        return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+        model = jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, model)
+        if quantize == "int8":  # products with the dequantized weights (no rounding of the activations)
+            model = eqx_models.quantize(model, 8, group_size=128, activations="float", scale_dtype=jnp.bfloat16)
+        return model
 
     return jax.jit(build)(jax.random.key(0))
 
@@ -136,9 +140,7 @@ def main() -> None:
 
     device = jax.devices()[0]
     bandwidth = SPEC_BANDWIDTH.get(device.device_kind)
-    model = random_model(args.shape, args.layers)
-    if args.quantize:  # integers rounded from the bfloat16 weights; products with the dequantized weights
-        model = eqx_models.quantize(model, 8, group_size=128, activations="float", scale_dtype=jnp.bfloat16)
+    model = random_model(args.shape, args.layers, quantize=args.quantize)
     rows = []
     for batch in args.batch_sizes:
         try:
