@@ -29,7 +29,8 @@ import numpy as np
 import eqx_models
 from eqx_models.backends import active_backend
 from eqx_models.generation import (
-    Sampling, _decode_advancer, _jitted_step, _next_power_of_two, _prefill, _split_model,
+    MIN_PROMPT_BUCKET, Sampling, _cache_length, _decode_advancer, _jitted_step, _next_power_of_two, _prefill,
+    _split_model,
 )
 
 # The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
@@ -77,20 +78,21 @@ def timed(fn, repeats: int) -> float:
     return float(np.median(times))
 
 
-def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int) -> dict:
+def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int, cache_dtype: str | None = None) -> dict:
     config = model.config
     ids = np.random.default_rng(batch).integers(0, config.vocab_size, (batch, prompt))
-    run = lambda n: np.asarray(eqx_models.generate(model, ids, max_new_tokens=n, eos_token_id=[]))
+    run = lambda n: np.asarray(eqx_models.generate(model, ids, max_new_tokens=n, eos_token_id=[],
+                                                   cache_dtype=cache_dtype))
     run(new_tokens)  # compiles prefill and step
     whole = timed(lambda: run(new_tokens), repeats)
     first = timed(lambda: run(1), repeats)
     step_generate = (whole - first) / (new_tokens - 1)
 
     # The step alone, back to back: what the device takes, the host never waiting on a token.
-    max_length = _next_power_of_two(prompt + new_tokens)  # as generate sizes it
+    max_length = _cache_length(max(MIN_PROMPT_BUCKET, _next_power_of_two(prompt)), new_tokens)  # as generate does
     sampling = Sampling(0.0, None, None)
     state, _ = _prefill(model, jnp.asarray(ids), jnp.ones((batch, prompt), jnp.int32), jax.random.key(0),
-                        max_length, sampling, (), None)
+                        max_length, sampling, (), cache_dtype)
     chunk = active_backend().decode_steps_per_call()
     advance = _decode_advancer(model, sampling, (), 0, chunk)
     state, tokens = advance(state, chunk)  # compiles
@@ -109,7 +111,8 @@ def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int) -> di
     cost = cost[0] if isinstance(cost, list) else cost
 
     weights = array_bytes(model)
-    kv = kv_bytes_per_token(config, model.dtype) * batch * (prompt + new_tokens / 2)
+    # The cache's bytes per slot (an int8 cache's scales included), over the live slots.
+    kv = model.cache_bytes(batch, max_length, cache_dtype) / max_length * (prompt + new_tokens / 2)
     return {
         "batch": batch,
         "steps_per_call": chunk,
@@ -135,6 +138,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (a quick check)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quantize", choices=["int8"], default=None, help="int8 weights (eqx_models.quantize)")
+    parser.add_argument("--cache-dtype", choices=["int8"], default=None, help="the KV cache's dtype (the model's)")
     parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
 
@@ -144,7 +148,7 @@ def main() -> None:
     rows = []
     for batch in args.batch_sizes:
         try:
-            row = measure(model, batch, args.prompt, args.new_tokens, args.repeats)
+            row = measure(model, batch, args.prompt, args.new_tokens, args.repeats, args.cache_dtype)
         except Exception as error:  # a batch that does not fit is a result too
             row = {"batch": batch, "error": f"{type(error).__name__}: {str(error)[:400]}"}
         if bandwidth and "floor_bytes" in row:
@@ -164,13 +168,15 @@ def main() -> None:
         "layers": model.config.num_hidden_layers,
         "dtype": "bfloat16",
         "quantize": args.quantize,
+        "cache_dtype": args.cache_dtype or "bfloat16",
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,
         "spec_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
     }
     name = "_".join(["tpu_decode"] + ([args.shape] if args.shape != "0.6b" else [])
-                    + ([f"context_{args.prompt + args.new_tokens}"] if args.prompt != 128 else []) + ([args.quantize] if args.quantize else []))
+                    + ([f"context_{args.prompt + args.new_tokens}"] if args.prompt != 128 else []) + ([args.quantize] if args.quantize else [])
+                    + ([f"{args.cache_dtype}_cache"] if args.cache_dtype else []))
     output = args.output or RESULTS / f"{name}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2) + "\n")

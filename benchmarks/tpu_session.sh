@@ -3,8 +3,8 @@
 #
 #   source .tpu/setup.sh && bash benchmarks/tpu_session.sh [STEP ...]
 #
-# STEP is any of check, decode, decode4b, prefill, moe, int8, context (default: the first
-# five, in that order). Each
+# STEP is any of check, decode, decode4b, prefill, moe, int8, context, context16k (default:
+# the first five, in that order). Each
 # step runs in its own process (about 15 s to open the chip) under its own time limit (all
 # five within the device tool's 600 s a call), so a step that hangs or fails leaves the
 # others' results; its log goes to benchmarks/results/tpu_<step>.log and, with the JSON the
@@ -13,13 +13,14 @@ set -u
 cd "$(dirname "$0")"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check decode decode4b prefill moe)
-declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=150)
+declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200)
 declare -A command=(
     [check]="python3 tpu_check.py"
     [decode]="python3 tpu_decode.py --shape 0.6b"
     [decode4b]="python3 tpu_decode.py --shape 4b --batch-sizes 1 16 64"
     [int8]="python3 tpu_decode.py --shape 4b --batch-sizes 1 64 --quantize int8"
     [context]="python3 tpu_decode.py --shape 4b --batch-sizes 8 --prompt 3968"
+    [context16k]="python3 tpu_decode.py --shape 4b --batch-sizes 8 --prompt 16256 --quantize int8 --cache-dtype int8"
     [prefill]="python3 tpu_prefill.py --shape 4b --tokens 2048"
     [moe]="python3 tpu_moe.py --layers 6 --tokens 2048 --batch-sizes 1 64"
 )

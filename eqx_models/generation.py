@@ -208,6 +208,21 @@ def _next_power_of_two(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+# The least room `generate` leaves for new tokens after a prompt: one block of
+# slots of the TPU's decode attention kernel, which takes caches of whole blocks.
+NEW_TOKEN_ROOM = 128
+
+
+def _cache_length(bucket: int, max_new_tokens: int) -> int:
+    """Slots of `generate`'s cache for a prompt padded to `bucket` tokens: the
+    smaller of the whole rounded up to a power of two and the bucket plus the new
+    tokens rounded up to one (at least `NEW_TOKEN_ROOM`). Either way the number of
+    distinct caches, and of compilations, stays logarithmic in the lengths; the
+    second keeps a long prompt's cache from doubling for a few new tokens."""
+    room = max(NEW_TOKEN_ROOM, _next_power_of_two(max_new_tokens))
+    return min(_next_power_of_two(bucket + max_new_tokens), bucket + room)
+
+
 def prepare_prompts(
     input_ids, attention_mask=None, *, pad_token_id: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -312,14 +327,15 @@ def stream_generate(
             f"{longest + max_new_tokens} positions, beyond the model's max_position_embeddings "
             f"({limit}). Shorten the prompt or ask for fewer tokens."
         )
-    # Pad prompts to a power-of-two bucket and size the cache by power of two too,
+    # Pad prompts to a power-of-two bucket and size the cache by powers of two too,
     # so the number of compilations stays small whatever the lengths.
     bucket = max(MIN_PROMPT_BUCKET, _next_power_of_two(ids.shape[1]))
     ids = np.pad(ids, ((0, 0), (bucket - ids.shape[1], 0)), constant_values=pad)
     mask = np.pad(mask, ((0, 0), (bucket - mask.shape[1], 0)))
-    max_length = _next_power_of_two(bucket + max_new_tokens)
+    max_length = _cache_length(bucket, max_new_tokens)
 
-    sized = f" (generate's: the prompt padded to {bucket} tokens plus max_new_tokens, rounded up to a power of two)"
+    sized = (f" (generate's: the prompt padded to {bucket} tokens, then room for max_new_tokens "
+             "rounded up to a power of two)")
     model.check_cache_fits(ids.shape[0], max_length, cache_dtype, note=sized)
     try:
         state, token = _prefill(
