@@ -3,17 +3,18 @@
 #
 #   source .tpu/setup.sh && bash benchmarks/tpu_session.sh [STEP ...]
 #
-# STEP is any of check, decode, decode4b, prefill, moe, int8, context, context16k (default:
-# the first five, in that order). Each
-# step runs in its own process (about 15 s to open the chip) under its own time limit (all
-# five within the device tool's 600 s a call), so a step that hangs or fails leaves the
-# others' results; its log goes to benchmarks/results/tpu_<step>.log and, with the JSON the
-# step wrote, to $OUT when the device tool sets it.
+# STEP is any of check, decode, decode4b, prefill, moe, int8, context, context16k, load8b,
+# first (default: the first five, in that order). Each step runs in its own process (about
+# 15 s to open the chip) under its own time limit, so a step that hangs or fails leaves the
+# others' results; its log and the JSON it writes go to $OUT when the device tool sets it
+# (else to results/). `first` (the first `eqx-models generate` of a Qwen3-0.6B-shaped
+# checkpoint in a fresh process) wants the Qwen tokenizer fixture beside stories260K:
+# `cp -r ../shared/fixtures/qwen-tokenizer .tpu/fixtures/` after prepare.sh.
 set -u
 cd "$(dirname "$0")"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check decode decode4b prefill moe)
-declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200)
+declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200)
 declare -A command=(
     [check]="python3 tpu_check.py"
     [decode]="python3 tpu_decode.py --shape 0.6b"
@@ -21,17 +22,20 @@ declare -A command=(
     [int8]="python3 tpu_decode.py --shape 4b --batch-sizes 1 64 --quantize int8"
     [context]="python3 tpu_decode.py --shape 4b --batch-sizes 8 --prompt 3968"
     [context16k]="python3 tpu_decode.py --shape 4b --batch-sizes 8 --prompt 16256 --quantize int8 --cache-dtype int8"
+    [load8b]="python3 tpu_load.py --shape 8b --quantize int8"
+    [first]="python3 tpu_load.py --shape 0.6b --write-only && python3 first_generate.py --model /tmp/eqx-random-qwen3-0.6b --out \$EQX_TPU_RESULTS/first_generate_tpu_qwen3_0.6b.json"
     [prefill]="python3 tpu_prefill.py --shape 4b --tokens 2048"
     [moe]="python3 tpu_moe.py --layers 6 --tokens 2048 --batch-sizes 1 64"
 )
 # The TPU machine's copy of the checkout is read-only where tracked: results go to $OUT there.
 results=${OUT:-$PWD/results}
 export EQX_TPU_RESULTS=$results
+[ -d ../.tpu/fixtures ] && export EQX_MODELS_FIXTURES=${EQX_MODELS_FIXTURES:-$(cd ../.tpu/fixtures && pwd)}
 for step in "${steps[@]}"; do
     [ -n "${command[$step]:-}" ] || { echo "unknown step $step (one of ${!command[*]})"; exit 2; }
     echo "== $step: ${command[$step]}"
     start=$SECONDS
-    timeout "${limit[$step]}" ${command[$step]} > "$results/tpu_$step.log" 2>&1
+    timeout "${limit[$step]}" bash -c "${command[$step]}" > "$results/tpu_$step.log" 2>&1
     echo "== $step: exit $? after $((SECONDS - start)) s"
     tail -n 5 "$results/tpu_$step.log"
 done
