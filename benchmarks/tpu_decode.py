@@ -1,8 +1,8 @@
 """Decode speed on one accelerator chip against the HBM floor (issue 37's table).
 
 A Qwen3-shaped model with random bfloat16 weights (`--shape 0.6b` or `4b`) decodes
-`--new-tokens` tokens after a `--prompt`-token prompt at each batch size (a cache
-of the next power of two, 256 for 128 + 128), through the public `generate` (the
+`--new-tokens` tokens after a `--prompt`-token prompt at each batch size (the cache
+`generate` sizes: 256 slots for 128 + 128), through the public `generate` (the
 per-token figure is the difference between a run of N tokens and a run of 1
 over N - 1, so prefill and compile are left out), and the jitted steps alone,
 launched back to back as `generate` launches them (`decode_steps_per_call` at a
@@ -10,7 +10,8 @@ time), without the host reading the tokens. The floor of a step is the bytes it 
 tied embedding once, as the head) and the live part of the KV cache, at the mean
 cache length of the run — at the chip's spec bandwidth (819 GB/s on a v5e). For
 each step the compiled program's own figures are kept too: XLA's count of bytes
-accessed and its temporary memory. Writes `benchmarks/results/tpu_decode[_<shape>].json`.
+accessed and its temporary memory. Writes `tpu_decode[_<shape>][_context_<tokens>][_int8]
+[_int8_cache].json` to `benchmarks/results/` (or `$EQX_TPU_RESULTS`).
 
     python benchmarks/tpu_decode.py [--shape 0.6b] [--batch-sizes 1 8 64 256] [--prompt 128] [--new-tokens 128]
 """
@@ -84,6 +85,7 @@ def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int, cache
     run = lambda n: np.asarray(eqx_models.generate(model, ids, max_new_tokens=n, eos_token_id=[],
                                                    cache_dtype=cache_dtype))
     run(new_tokens)  # compiles prefill and step
+    run(1)  # and the cache of a one-token run, where it differs
     whole = timed(lambda: run(new_tokens), repeats)
     first = timed(lambda: run(1), repeats)
     step_generate = (whole - first) / (new_tokens - 1)
@@ -175,7 +177,7 @@ def main() -> None:
         "rows": rows,
     }
     name = "_".join(["tpu_decode"] + ([args.shape] if args.shape != "0.6b" else [])
-                    + ([f"context_{args.prompt + args.new_tokens}"] if args.prompt != 128 else []) + ([args.quantize] if args.quantize else [])
+                    + ([f"context_{args.prompt + args.new_tokens}"] if (args.prompt, args.new_tokens) != (128, 128) else []) + ([args.quantize] if args.quantize else [])
                     + ([f"{args.cache_dtype}_cache"] if args.cache_dtype else []))
     output = args.output or RESULTS / f"{name}.json"
     output.parent.mkdir(parents=True, exist_ok=True)

@@ -215,12 +215,14 @@ NEW_TOKEN_ROOM = 128
 
 def _cache_length(bucket: int, max_new_tokens: int) -> int:
     """Slots of `generate`'s cache for a prompt padded to `bucket` tokens: the
-    smaller of the whole rounded up to a power of two and the bucket plus the new
-    tokens rounded up to one (at least `NEW_TOKEN_ROOM`). Either way the number of
-    distinct caches, and of compilations, stays logarithmic in the lengths; the
-    second keeps a long prompt's cache from doubling for a few new tokens."""
+    smaller of the whole rounded up to a power of two and the bucket (at least
+    `NEW_TOKEN_ROOM`) plus the new tokens rounded up to a power of two (at least
+    `NEW_TOKEN_ROOM`). Either way the number of distinct caches, and of
+    compilations, stays logarithmic in the lengths, and a cache of 512 slots or
+    more is whole blocks; the second keeps a long prompt's cache from doubling
+    for a few new tokens."""
     room = max(NEW_TOKEN_ROOM, _next_power_of_two(max_new_tokens))
-    return min(_next_power_of_two(bucket + max_new_tokens), bucket + room)
+    return min(_next_power_of_two(bucket + max_new_tokens), max(bucket, NEW_TOKEN_ROOM) + room)
 
 
 def prepare_prompts(
@@ -327,15 +329,16 @@ def stream_generate(
             f"{longest + max_new_tokens} positions, beyond the model's max_position_embeddings "
             f"({limit}). Shorten the prompt or ask for fewer tokens."
         )
-    # Pad prompts to a power-of-two bucket and size the cache by powers of two too,
-    # so the number of compilations stays small whatever the lengths.
+    # Pad prompts to a power-of-two bucket and size the cache from powers of two
+    # too (`_cache_length`), so the number of compilations stays small whatever
+    # the lengths.
     bucket = max(MIN_PROMPT_BUCKET, _next_power_of_two(ids.shape[1]))
     ids = np.pad(ids, ((0, 0), (bucket - ids.shape[1], 0)), constant_values=pad)
     mask = np.pad(mask, ((0, 0), (bucket - mask.shape[1], 0)))
     max_length = _cache_length(bucket, max_new_tokens)
 
-    sized = (f" (generate's: the prompt padded to {bucket} tokens, then room for max_new_tokens "
-             "rounded up to a power of two)")
+    sized = (f" (generate's: the prompt padded to {bucket} tokens, then room for max_new_tokens: "
+             f"{max_length} slots)")
     model.check_cache_fits(ids.shape[0], max_length, cache_dtype, note=sized)
     try:
         state, token = _prefill(

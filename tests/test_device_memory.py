@@ -83,7 +83,7 @@ def test_a_cache_beyond_the_free_memory_is_refused_naming_the_batch_and_length_t
 def test_generate_refuses_a_batch_whose_cache_does_not_fit_before_compiling(checkpoint, reported_memory):
     model = eqx_models.from_pretrained(checkpoint)
     ids = np.ones((4, 10), np.int32)
-    # generate's cache: the prompt padded to its bucket plus max_new_tokens, to a power of two.
+    # generate's cache: the prompt padded to its bucket (16) plus max_new_tokens (20), to a power of two.
     needed = model.cache_bytes(4, 64)
     reported_memory(needed - 1)
     before = dict(generation.trace_counts())

@@ -241,6 +241,8 @@ def test_16_bit_kernels_trace_at_default_precision_under_highest():
         grouped_dots = _dot_precisions(jax.make_jaxpr(jax.grad(grouped, argnums=(0, 1)))(x, stack).jaxpr)
         splash_dots = _dot_precisions(jax.make_jaxpr(jax.grad(prompt, argnums=(0, 1, 2)))(query, keys, values).jaxpr)
         float32_dots = _dot_precisions(jax.make_jaxpr(grouped)(x.astype(jnp.float32), stack.astype(jnp.float32)).jaxpr)
+        float32_dots += _dot_precisions(jax.make_jaxpr(prompt)(
+            query.astype(jnp.float32), keys.astype(jnp.float32), values.astype(jnp.float32)).jaxpr)
     assert len(grouped_dots) >= 3 and len(splash_dots) >= 3  # the kernels' bodies were looked into
     assert not any(map(_highest, grouped_dots + splash_dots))
     assert all(map(_highest, float32_dots))  # float32 inputs keep the caller's precision

@@ -5,7 +5,8 @@ Mosaic refuses a 16-bit product at HIGHEST ("Bad lhs type"): a bfloat16 model ru
 under `jax.default_matmul_precision("highest")` would not compile. A 16-bit
 product is exact at any precision (its terms accumulate in float32), so kernels
 with 16-bit inputs are traced at the default precision, forward and backward;
-float32 inputs keep the caller's setting.
+float32 inputs keep the caller's setting. A float32 input beside a 16-bit one
+takes the default too: Mosaic refuses their product at HIGHEST as well.
 """
 
 import contextlib
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 
 
 def _any_16_bit(dtypes) -> bool:
-    return any(jnp.dtype(dtype).itemsize == 2 for dtype in dtypes)
+    return any(jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize == 2 for dtype in dtypes)
 
 
 def for_inputs(*dtypes) -> contextlib.AbstractContextManager:
