@@ -12,7 +12,10 @@ bfloat16 weights.
   layer when each token picks `top_k` of `num_experts` uniformly, which random
   weights approach).
 
-Writes `benchmarks/results/tpu_moe.json`.
+`--experts blocks` measures the loop over blocks of assignments the grouped
+product replaced, `--row-tile` / `--weight-tiles` other tiles of the grouped
+kernel. Writes `tpu_moe[_<variant>].json` to `benchmarks/results/` (or
+`$EQX_TPU_RESULTS`).
 
     python benchmarks/tpu_moe.py [--layers 6] [--tokens 2048] [--batch-sizes 1 64]
 """
@@ -29,6 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import eqx_models
+from eqx_models.backends.tpu import Tpu
+from eqx_models.backends.tpu import experts as tpu_experts
 from tpu_decode import SPEC_BANDWIDTH, array_bytes, kv_bytes_per_token, measure, timed
 
 # The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
@@ -108,8 +113,22 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", type=Path, default=RESULTS / "tpu_moe.json")
+    parser.add_argument("--experts", choices=["grouped", "blocks"], default="grouped",
+                        help="the TPU backend's grouped product, or the loop over blocks it replaced (to compare)")
+    parser.add_argument("--row-tile", type=int, default=None, help="the grouped kernel's largest row tile")
+    parser.add_argument("--weight-tiles", type=int, nargs="+", default=None, help="its weight tile widths")
+    parser.add_argument("--output", type=Path, default=None)
     args = parser.parse_args()
+    if args.experts == "blocks":
+        Tpu.groups_experts = lambda self, stack: False
+    if args.row_tile:
+        tpu_experts.MAX_ROW_TILE = args.row_tile
+    if args.weight_tiles:
+        tpu_experts.WEIGHT_TILES = tuple(args.weight_tiles)
+    variant = "".join([f"_{args.experts}" if args.experts != "grouped" else "",
+                       f"_rows{args.row_tile}" if args.row_tile else "",
+                       "_tiles" + "-".join(map(str, args.weight_tiles)) if args.weight_tiles else ""])
+    output = args.output or RESULTS / f"tpu_moe{variant}.json"
 
     device = jax.devices()[0]
     model = random_moe(args.layers)
@@ -128,10 +147,12 @@ def main() -> None:
         decode.append(row)
     result = {"benchmark": "tpu_moe", "device": device.device_kind, "platform": jax.default_backend(),
               "jax": jax.__version__, "host": platform.node(), "shape": "Qwen3-30B-A3B", "layers": args.layers,
-              "dtype": "bfloat16", "forward": forward, "decode": decode}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+              "dtype": "bfloat16", "experts": args.experts,
+              "row_tile": tpu_experts.MAX_ROW_TILE, "weight_tiles": list(tpu_experts.WEIGHT_TILES),
+              "forward": forward, "decode": decode}
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
 
 
 if __name__ == "__main__":
