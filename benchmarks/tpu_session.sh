@@ -4,17 +4,18 @@
 #   source .tpu/setup.sh && bash benchmarks/tpu_session.sh [STEP ...]
 #
 # STEP is any of check, decode, decode4b, prefill, moe, int8, context, context16k, load8b,
-# first, matvec, moetiles (default: the first five, in that order). Each step runs in its own
+# first, matvec, moetiles, peer (default: the first five, in that order). Each step runs in its own
 # process (about 15 s to open the chip) under its own time limit, so a step that hangs or
 # fails leaves the others' results; its log and the JSON it writes go to $OUT when the device
 # tool sets it (else to results/). `first` (the first `eqx-models generate` of a
 # Qwen3-0.6B-shaped checkpoint in a fresh process) wants the Qwen tokenizer fixture beside
-# stories260K: `cp -r ../shared/fixtures/qwen-tokenizer .tpu/fixtures/` after prepare.sh.
+# stories260K: `cp -r ../shared/fixtures/qwen-tokenizer .tpu/fixtures/` after prepare.sh;
+# `peer` the peer's code in .peer/llama3 (see tpu_peer.py), carried with .tpu.
 set -u
 cd "$(dirname "$0")"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check decode decode4b prefill moe)
-declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200 [matvec]=150 [moetiles]=300)
+declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200 [matvec]=150 [moetiles]=300 [peer]=200)
 declare -A command=(
     [check]="python3 tpu_check.py"
     [decode]="python3 tpu_decode.py --shape 0.6b"
@@ -25,6 +26,7 @@ declare -A command=(
     [load8b]="python3 tpu_load.py --shape 8b --quantize int8"
     [first]="python3 tpu_load.py --shape 0.6b --write-only && python3 first_generate.py --model /tmp/eqx-random-qwen3-0.6b --out \$EQX_TPU_RESULTS/first_generate_tpu_qwen3_0.6b.json"
     [matvec]="python3 tpu_matvec.py"
+    [peer]="python3 tpu_peer.py"
     [moetiles]="python3 tpu_moe.py --experts blocks --batch-sizes 1 && python3 tpu_moe.py --row-tile 256 --batch-sizes && python3 tpu_moe.py --row-tile 512 --weight-tiles 256 128 --batch-sizes"
     [prefill]="python3 tpu_prefill.py --shape 4b --tokens 2048"
     [moe]="python3 tpu_moe.py --layers 6 --tokens 2048 --batch-sizes 1 64"
@@ -32,6 +34,7 @@ declare -A command=(
 # The TPU machine's copy of the checkout is read-only where tracked: results go to $OUT there.
 results=${OUT:-$PWD/results}
 export EQX_TPU_RESULTS=$results
+[ -d ../.peer/llama3 ] && export PEER_LLAMA3=${PEER_LLAMA3:-$(cd ../.peer/llama3 && pwd)}
 [ -d ../.tpu/fixtures ] && export EQX_MODELS_FIXTURES=${EQX_MODELS_FIXTURES:-$(cd ../.tpu/fixtures && pwd)}
 for step in "${steps[@]}"; do
     [ -n "${command[$step]:-}" ] || { echo "unknown step $step (one of ${!command[*]})"; exit 2; }
