@@ -37,6 +37,7 @@ VNNI, one device); `save_pretrained` writes rows whatever the layout in memory.
 """
 
 import dataclasses
+import functools
 
 import equinox as eqx
 import jax
@@ -332,22 +333,35 @@ def quantize_weight(
         raise ValueError(f"scale_dtype must be float16 or bfloat16, got {scale_dtype}.")
     if activations not in ACTIVATIONS:
         raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}.")
-    groups = jnp.asarray(weight, jnp.float32).reshape(*stack, out, in_features // group_size, group_size)
+    packed, scale, biases = _integers(jnp.asarray(weight), bits, group_size, jnp.dtype(scale_dtype), mode)
+    if bits == 4:
+        if layout != "rows":
+            raise ValueError(f"layout={layout!r} is for int8 weights; int4 ones are held as rows (layout='rows').")
+        return QuantizedWeight(packed, scale, 4, group_size, tuple(axes), float_dtype, activations, biases)
+    weight = QuantizedWeight(packed, scale, 8, group_size, tuple(axes), float_dtype, activations)
+    if layout == "rows":
+        return weight
+    if layout != "tiles" or not tiles_fit(8, activations, weight.shape):
+        raise ValueError(f"layout={layout!r}: use 'rows', or 'tiles' for int8 weights with int8 activations, "
+                         f"{TILE_ROWS} output rows a tile and no expert axis (got {weight.shape}).")
+    return dataclasses.replace(weight, packed=rows_to_tiles(weight.packed), scales=scales_to_tiles(scale),
+                               layout="tiles")
+
+
+# One compiled program, so that XLA fuses the steps: run op by op, a weight
+# stack's float32 copy and each step's result are whole-stack temporaries
+# (several times a Qwen3-4B layer stack's bytes: more than a 16 GB accelerator
+# holds beside the model).
+@functools.partial(jax.jit, static_argnames=("bits", "group_size", "scale_dtype", "mode"))
+def _integers(weight: Array, bits: int, group_size: int, scale_dtype, mode: str):
+    """The packed integers, scales and biases (None but for affine int4) of `quantize_weight`."""
+    *stack, out, in_features = weight.shape
+    groups = weight.astype(jnp.float32).reshape(*stack, out, in_features // group_size, group_size)
     if bits == 8:
         scale = (jnp.max(jnp.abs(groups), axis=-1) / 127).astype(scale_dtype)
         step = scale.astype(jnp.float32)[..., None]
         q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)), -127, 127).astype(jnp.int8)
-        weight = QuantizedWeight(q.reshape(*stack, out, in_features), scale, 8, group_size, tuple(axes), float_dtype,
-                                 activations)
-        if layout == "rows":
-            return weight
-        if layout != "tiles" or not tiles_fit(8, activations, weight.shape):
-            raise ValueError(f"layout={layout!r}: use 'rows', or 'tiles' for int8 weights with int8 activations, "
-                             f"{TILE_ROWS} output rows a tile and no expert axis (got {weight.shape}).")
-        return dataclasses.replace(weight, packed=rows_to_tiles(weight.packed), scales=scales_to_tiles(scale),
-                                   layout="tiles")
-    if layout != "rows":
-        raise ValueError(f"layout={layout!r} is for int8 weights; int4 ones are held as rows (layout='rows').")
+        return q.reshape(*stack, out, in_features), scale, None
     biases = None
     if mode == "affine":
         low, high = jnp.min(groups, axis=-1), jnp.max(groups, axis=-1)
@@ -362,8 +376,7 @@ def quantize_weight(
         q = jnp.clip(jnp.round(groups / jnp.where(step == 0, 1, step)) + 8, 0, 15).astype(jnp.uint8)
     half = group_size // 2
     packed = q[..., :half] | (q[..., half:] << 4)
-    return QuantizedWeight(packed.reshape(*stack, out, in_features // 2), scale, 4, group_size, tuple(axes), float_dtype,
-                           activations, biases)
+    return packed.reshape(*stack, out, in_features // 2), scale, biases
 
 
 def unpack_int4(packed: Shaped[Array, "*rows bytes"], group_size: int) -> Int[Array, "*rows values"]:
