@@ -131,6 +131,22 @@ def measure(model, batch: int, prompt: int, new_tokens: int, repeats: int, cache
     }
 
 
+def with_floor(row: dict, bandwidth: float | None) -> dict:
+    """`row` with its floor in ms and each step time's fraction of it (where the chip's bandwidth is known)."""
+    if bandwidth and "floor_bytes" in row:
+        floor = row["floor_bytes"] / bandwidth
+        row["floor_ms"] = round(floor * 1e3, 3)
+        row["fraction_of_floor_generate"] = round(floor / (row["step_ms_generate"] / 1e3), 3)
+        row["fraction_of_floor_device"] = round(floor / (row["step_ms_device"] / 1e3), 3)
+    return row
+
+
+def write_result(result: dict, output: Path) -> None:
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {output}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="0.6b", choices=sorted(SHAPES))
@@ -153,12 +169,7 @@ def main() -> None:
             row = measure(model, batch, args.prompt, args.new_tokens, args.repeats, args.cache_dtype)
         except Exception as error:  # a batch that does not fit is a result too
             row = {"batch": batch, "error": f"{type(error).__name__}: {str(error)[:400]}"}
-        if bandwidth and "floor_bytes" in row:
-            floor = row["floor_bytes"] / bandwidth
-            row["floor_ms"] = round(floor * 1e3, 3)
-            row["fraction_of_floor_generate"] = round(floor / (row["step_ms_generate"] / 1e3), 3)
-            row["fraction_of_floor_device"] = round(floor / (row["step_ms_device"] / 1e3), 3)
-        print(json.dumps(row), flush=True)
+        print(json.dumps(with_floor(row, bandwidth)), flush=True)
         rows.append(row)
     result = {
         "benchmark": "tpu_decode",
@@ -176,13 +187,11 @@ def main() -> None:
         "spec_bandwidth_bytes_per_s": bandwidth,
         "rows": rows,
     }
-    name = "_".join(["tpu_decode"] + ([args.shape] if args.shape != "0.6b" else [])
-                    + ([f"context_{args.prompt + args.new_tokens}"] if (args.prompt, args.new_tokens) != (128, 128) else []) + ([args.quantize] if args.quantize else [])
-                    + ([f"{args.cache_dtype}_cache"] if args.cache_dtype else []))
-    output = args.output or RESULTS / f"{name}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    parts = ["tpu_decode"] + ([args.shape] if args.shape != "0.6b" else [])
+    if (args.prompt, args.new_tokens) != (128, 128):
+        parts.append(f"context_{args.prompt + args.new_tokens}")
+    parts += ([args.quantize] if args.quantize else []) + ([f"{args.cache_dtype}_cache"] if args.cache_dtype else [])
+    write_result(result, args.output or RESULTS / f"{'_'.join(parts)}.json")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import numpy as np
 import eqx_models
 from eqx_models.safetensors_file import write_safetensors
 
-from tpu_decode import SPEC_BANDWIDTH, measure
+from tpu_decode import SPEC_BANDWIDTH, measure, with_floor, write_result
 
 # The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
 RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
@@ -130,20 +130,12 @@ def main() -> None:
     except Exception as error:  # a model that loads but cannot decode is a result too
         row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
     bandwidth = SPEC_BANDWIDTH.get(device.device_kind)
-    if bandwidth and "floor_bytes" in row:
-        floor = row["floor_bytes"] / bandwidth
-        row["floor_ms"] = round(floor * 1e3, 3)
-        row["fraction_of_floor_generate"] = round(floor / (row["step_ms_generate"] / 1e3), 3)
-        row["fraction_of_floor_device"] = round(floor / (row["step_ms_device"] / 1e3), 3)
-    print(json.dumps(row), flush=True)
+    print(json.dumps(with_floor(row, bandwidth)), flush=True)
     result = {"benchmark": "tpu_load", "device": device.device_kind, "platform": jax.default_backend(),
               "jax": jax.__version__, "shape": f"Qwen3-{args.shape.upper()}", "layers": config["num_hidden_layers"],
               "quantize": args.quantize, "spec_bandwidth_bytes_per_s": bandwidth, "rows": [row]}
     name = "_".join(["tpu_load", args.shape] + ([args.quantize] if args.quantize else []))
-    output = args.output or RESULTS / f"{name}.json"
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_result(result, args.output or RESULTS / f"{name}.json")
 
 
 if __name__ == "__main__":
