@@ -174,12 +174,13 @@ def main() -> int:
     rows = []
     for check in checks:  # a check that raises is a failed row; it must not discard the others' rows
         try:
-            rows.extend(check())
+            found = check()
         except Exception as error:
-            rows.append({"check": getattr(check, "__name__", "check"), "error": f"{type(error).__name__}: "
-                         f"{str(error)[:600]}", "ok": False})
-    for row in rows:
-        print(json.dumps(row))
+            found = [{"check": getattr(check, "__name__", "check"), "error": f"{type(error).__name__}: "
+                      f"{str(error)[:600]}", "ok": False}]
+        for row in found:  # as they come: a run stopped by its time limit still logs what it checked
+            print(json.dumps(row), flush=True)
+        rows.extend(found)
     result = {"benchmark": "tpu_check", "device": device.device_kind, "backend": active_backend().name,
               "jax": jax.__version__, "rows": rows, "ok": all(row["ok"] for row in rows)}
     RESULTS.mkdir(exist_ok=True)
