@@ -12,10 +12,8 @@ The `transformers` part runs where `torch` and `transformers` import.
 """
 
 import json
-import os
 import sys
 import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +23,8 @@ import eqx_models
 from eqx_models.backends import active_backend, xla
 from eqx_models.backends.tpu import attention, experts, splash
 
-# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
-RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
+from tpu_decode import RESULTS
+
 # A small Qwen3 with the head size of the real ones (the attention kernel's lanes).
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6,

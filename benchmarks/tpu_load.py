@@ -25,10 +25,8 @@ import numpy as np
 import eqx_models
 from eqx_models.safetensors_file import write_safetensors
 
-from tpu_decode import SPEC_BANDWIDTH, measure, with_floor, write_result
+from tpu_decode import RESULTS, SPEC_BANDWIDTH, measure, with_floor, write_result
 
-# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
-RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 TOKENIZER = Path(os.environ.get("EQX_MODELS_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"),
                  "qwen-tokenizer")
 SHAPES = {

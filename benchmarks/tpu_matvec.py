@@ -20,7 +20,6 @@ asked). Writes `tpu_matvec.json` to `benchmarks/results/` (or `$EQX_TPU_RESULTS`
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -28,9 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_decode import SHAPES, SPEC_BANDWIDTH
+from tpu_decode import RESULTS, SHAPES, SPEC_BANDWIDTH, write_result
 
-RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 LAYERS: dict[str, int] = {}  # --layers: fewer than the shape's (a quick check)
@@ -130,9 +128,7 @@ def main() -> None:
             del stacks
     result = {"benchmark": "tpu_matvec", "device": device.device_kind, "platform": jax.default_backend(),
               "jax": jax.__version__, "dtype": "bfloat16", "spec_bandwidth_bytes_per_s": bandwidth, "rows": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_result(result, args.output)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ kernel. Writes `tpu_moe[_<variant>].json` to `benchmarks/results/` (or
 
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -34,10 +33,8 @@ import numpy as np
 import eqx_models
 from eqx_models.backends.tpu import Tpu
 from eqx_models.backends.tpu import experts as tpu_experts
-from tpu_decode import SPEC_BANDWIDTH, array_bytes, kv_bytes_per_token, measure, timed
+from tpu_decode import RESULTS, SPEC_BANDWIDTH, array_bytes, kv_bytes_per_token, measure, timed, write_result
 
-# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
-RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 PEAK_BF16_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12}
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -150,9 +147,7 @@ def main() -> None:
               "dtype": "bfloat16", "experts": args.experts,
               "row_tile": tpu_experts.MAX_ROW_TILE, "weight_tiles": list(tpu_experts.WEIGHT_TILES),
               "forward": forward, "decode": decode}
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {output}")
+    write_result(result, output)
 
 
 if __name__ == "__main__":

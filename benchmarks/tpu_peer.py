@@ -33,9 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_decode import SHAPES, SPEC_BANDWIDTH
+from tpu_decode import RESULTS, SHAPES, SPEC_BANDWIDTH, write_result
 
-RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 
 
 def _stand_in(name: str, **attributes) -> None:
@@ -138,9 +137,7 @@ def main() -> None:
               "device": device.device_kind, "platform": jax.default_backend(), "jax": jax.__version__,
               "layers": cfg.num_layers, "dtype": "bfloat16", "prompt": args.prompt, "new_tokens": args.new_tokens,
               "weight_bytes": weight_bytes, "spec_bandwidth_bytes_per_s": bandwidth, "rows": rows}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_result(result, args.output)
 
 
 if __name__ == "__main__":

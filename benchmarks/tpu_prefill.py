@@ -14,7 +14,6 @@ peak bfloat16 FLOP/s (197 TFLOP/s on a v5e) is the fraction of peak. Writes
 
 import argparse
 import json
-import os
 import platform
 import time
 from pathlib import Path
@@ -23,10 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tpu_decode import SHAPES, random_model, timed
+from tpu_decode import RESULTS, SHAPES, random_model, timed, write_result
 
-# The TPU machine's copy of the checkout is read-only where tracked: tpu_session.sh points here at $OUT.
-RESULTS = Path(os.environ.get("EQX_TPU_RESULTS") or Path(__file__).resolve().parent / "results")
 PEAK_BF16_FLOPS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12}
 
 
@@ -69,9 +66,7 @@ def main() -> None:
     result = {"benchmark": "tpu_prefill", "device": device.device_kind, "platform": jax.default_backend(),
               "jax": jax.__version__, "host": platform.node(), "shape": f"Qwen3-{args.shape.upper()}",
               "layers": model.config.num_hidden_layers, "dtype": "bfloat16", "peak_flops": peak, "rows": [row]}
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.output}")
+    write_result(result, args.output)
 
 
 if __name__ == "__main__":
