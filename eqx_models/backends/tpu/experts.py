@@ -96,15 +96,11 @@ def _layer_product_forward(rows, flat, sizes, first, groups, tm, interpret):
 def _layer_product_backward(groups, tm, interpret, residuals, cotangent):
     rows, flat, sizes, first = residuals
     with precision.for_inputs(rows.dtype, flat.dtype):
-        return _layer_product_derivative(rows, flat, sizes, first, groups, tm, interpret, cotangent)
-
-
-def _layer_product_derivative(rows, flat, sizes, first, groups, tm, interpret, cotangent):
-    d_rows = gmm(cotangent.astype(flat.dtype), flat, sizes, preferred_element_type=jnp.float32, tiling=_tiling(tm),
-                 transpose_rhs=False, interpret=interpret)
-    # Row group g's outer product with its cotangents, for the layer's groups only.
-    d_layer = tgmm(cotangent.T.astype(rows.dtype), rows, sizes, preferred_element_type=jnp.float32,
-                   tiling=_tiling(tm), group_offset=first, num_actual_groups=groups, interpret=interpret)
+        d_rows = gmm(cotangent.astype(flat.dtype), flat, sizes, preferred_element_type=jnp.float32,
+                     tiling=_tiling(tm), transpose_rhs=False, interpret=interpret)
+        # Row group g's outer product with its cotangents, for the layer's groups only.
+        d_layer = tgmm(cotangent.T.astype(rows.dtype), rows, sizes, preferred_element_type=jnp.float32,
+                       tiling=_tiling(tm), group_offset=first, num_actual_groups=groups, interpret=interpret)
     d_flat = jax.lax.dynamic_update_slice(jnp.zeros_like(flat), d_layer.astype(flat.dtype), (first, 0, 0))
     return d_rows.astype(rows.dtype), d_flat, None, None
 
