@@ -94,6 +94,20 @@ def test_generate_refuses_a_batch_whose_cache_does_not_fit_before_compiling(chec
     assert eqx_models.generate(model, ids, max_new_tokens=20, eos_token_id=[]).shape == (4, 20)
 
 
+def test_a_long_prompts_cache_is_its_bucket_plus_room_for_the_new_tokens(checkpoint_factory, reported_memory):
+    # 3,968 tokens pad to a bucket of 4,096; 128 more slots hold the new tokens, where
+    # the whole rounded up to a power of two would be 8,192 slots (twice the memory).
+    folder, _ = checkpoint_factory("qwen3", num_key_value_heads=2, max_position_embeddings=8192)
+    model = eqx_models.from_pretrained(folder)
+    ids = np.ones((1, 3968), np.int32)
+    needed = model.cache_bytes(1, 4224)
+    reported_memory(needed - 1)
+    with pytest.raises(OutOfDeviceMemory, match=f"4224 slots.*needs .*{needed:,} bytes"):
+        eqx_models.generate(model, ids, max_new_tokens=100)
+    reported_memory(needed)
+    assert eqx_models.generate(model, ids, max_new_tokens=1, eos_token_id=[]).shape == (1, 1)
+
+
 def test_xlas_out_of_memory_in_generate_becomes_an_error_with_the_sizes(checkpoint, monkeypatch):
     model = eqx_models.from_pretrained(checkpoint)
 

@@ -675,3 +675,19 @@ def test_visible_slots_are_the_real_tokens_within_the_window():
     of_mask = VisibleSlots.of_mask(*masks)
     np.testing.assert_array_equal(of_mask.valid(), masks[0])
     np.testing.assert_array_equal(of_mask.self_valid(), masks[1])
+
+
+def test_the_reference_decode_attention_never_copies_the_layers_cache():
+    # The token's own key and value join the softmax beside the cache: appended to
+    # it, they made every step copy the layer's whole cache (the TPU's reference path).
+    layers, batch, kv_heads, groups, slots, head_dim = 2, 3, 2, 2, 64, 16
+    stack = jnp.zeros((layers, batch, kv_heads, slots, head_dim), jnp.bfloat16)
+    new = jnp.zeros((batch, kv_heads, head_dim), jnp.bfloat16)
+    none = jnp.zeros((0,), jnp.float32)
+    jaxpr = jax.make_jaxpr(xla.decode_attention, static_argnums=(11,))(
+        jnp.zeros((batch, kv_heads, groups, head_dim), jnp.bfloat16), stack, stack + 1, jnp.int32(1),
+        jnp.ones((batch, slots), bool), jnp.ones(batch, bool), new, new, jnp.full((kv_heads, groups), -jnp.inf),
+        none, none, 0.25).jaxpr
+    shapes = [var.aval.shape for eqn in jaxpr.eqns for var in eqn.outvars]
+    assert (batch, kv_heads, slots, head_dim) in shapes  # the layer's keys, read as they are
+    assert not any(len(shape) == 4 and shape[2] > slots and shape[-1] == head_dim for shape in shapes)
