@@ -9,7 +9,7 @@ from .generation import Sampling, generate, stream_generate
 from .hub import CheckpointError, from_pretrained, save_pretrained
 from .models import supported_model_types
 from .nn.causal_lm import CausalLM
-from .paged_cache import PagedKVCache
+from .paged_cache import PagedKVCache, RaggedPagedKVCache
 from .quantization import quantize
 from .sharding import ShardingRules, shard_model
 from .tokenizer import Tokenizer, load_tokenizer
@@ -23,6 +23,7 @@ __all__ = [
     "DecoderConfig",
     "KVCache",
     "PagedKVCache",
+    "RaggedPagedKVCache",
     "Sampling",
     "ShardingRules",
     "Tokenizer",

@@ -14,6 +14,8 @@ every implementation computes the same function as the reference
   `masked_attention` (blocks of keys with masks: a cache and the new tokens);
 - one token's attention to a layer of the cache: `decode_attention`,
   `paged_decode_attention`, the slots it sees given by positions (`VisibleSlots`);
+  a ragged batch's (prompt chunks and decodes flattened together) to its rows'
+  pages and to each other: `ragged_paged_attention` (`RaggedTokens`);
 - the cache write: `write_slots`, `write_pages`; and reading a layer or rows:
   `index_layer`, `take_rows`, `gather_pages`;
 - the greedy pick: `greedy_rows`;
@@ -381,6 +383,62 @@ def paged_decode_attention(
     return active_backend().paged_decode_attention(query, key_pool, value_pool, layer, block_tables, visible.valid(),
                                                    visible.self_valid(), new_key, new_value, sinks, key_scales,
                                                    value_scales, scale)
+
+
+class RaggedTokens(eqx.Module):
+    """A ragged batch's tokens as attention sees them: flattened, each belonging
+    to one row of the block tables and sitting at one position of that row.
+
+    Row `r` holds `cached[r]` tokens in its pages before this step; its
+    `lengths[r]` new tokens follow them, the first ones of its span of the batch,
+    `query_starts[r]` to `query_starts[r + 1]` (the rest of a span is padding).
+    Token `t` is at `positions[t]` of row `rows[t]` (-1: padding, a token that sees
+    nothing and that nobody sees). A token sees its row's cached tokens and its
+    row's new tokens up to itself, less than `window` positions before it.
+
+    A row of more than one new token spans whole blocks of
+    `eqx_models.backends.xla.QUERY_BLOCK` tokens (its span starts and ends at a
+    multiple of it): attention can then read its pages once per block.
+    """
+
+    rows: Int[Array, " tokens"]
+    positions: Int[Array, " tokens"]
+    cached: Int[Array, " batch"]
+    query_starts: Int[Array, " batch_plus_one"]
+    lengths: Int[Array, " batch"]
+    window: int | Int[Array, ""]
+
+
+def ragged_paged_attention(
+    query: Float[Array, "tokens kv_heads groups head_dim"],
+    new_keys: Float[Array, "tokens kv_heads head_dim"],
+    new_values: Float[Array, "tokens kv_heads value_dim"],
+    key_pool: Shaped[Array, "layers pages kv_heads page_size head_dim"],
+    value_pool: Shaped[Array, "layers pages kv_heads page_size value_width"],
+    layer: Int[Array, ""],
+    block_tables: Int[Array, "batch pages_per_row"],
+    tokens: RaggedTokens,
+    scale: float,
+    softcap: float | None = None,
+    sinks: Float[Array, "kv_heads groups"] | None = None,
+    key_scales: Float[Array, "layers pages kv_heads page_size"] | None = None,
+    value_scales: Float[Array, "layers pages kv_heads page_size"] | None = None,
+) -> Float[Array, "tokens kv_heads groups value_dim"]:
+    """Attention of a ragged batch: prompt chunks and single decode tokens of many
+    rows flattened together, each token against its row's cached pages (layer
+    `layer` of the pools, read in place) and its row's new tokens (`new_keys`,
+    `new_values`, not yet written), as `tokens` describes them.
+
+    Scores are scaled by `scale`, squashed by `softcap` where given; `sinks` join
+    each softmax as one more logit without a value. A value pool narrower than
+    `new_values` holds none: values are the keys' first channels. Float32 out.
+    """
+    sinks = _no_sinks(query) if sinks is None else sinks.astype(jnp.float32)
+    key_scales, value_scales = _checked_scales(key_pool, value_pool, key_scales, value_scales)
+    return active_backend().ragged_paged_attention(
+        query.astype(jnp.float32), new_keys.astype(jnp.float32), new_values.astype(jnp.float32), key_pool,
+        value_pool, layer, block_tables, tokens, sinks, key_scales, value_scales, scale, softcap,
+    )
 
 
 def greedy_rows(logits: Float[Array, "*batch vocab"]) -> Int[Array, " *batch"]:

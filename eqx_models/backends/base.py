@@ -55,6 +55,12 @@ class Backend(abc.ABC):
         """Whether int8 weights are best kept in the "tiles" layout."""
 
     @abc.abstractmethod
+    def prefers_ragged_steps(self) -> bool:
+        """Whether the serving engine runs a step's prompt chunks and decodes as one
+        ragged batch (`RaggedPagedKVCache`) rather than one call per chunk length
+        and one for the decodes."""
+
+    @abc.abstractmethod
     def stacked_matvecs(self, x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]: ...
 
     @abc.abstractmethod
@@ -77,6 +83,10 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def paged_decode_attention(self, query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key,
                                new_value, sinks, key_scales, value_scales, scale) -> Array: ...
+
+    @abc.abstractmethod
+    def ragged_paged_attention(self, query, new_keys, new_values, key_pool, value_pool, layer, block_tables, tokens,
+                               sinks, key_scales, value_scales, scale, softcap) -> Array: ...
 
     @abc.abstractmethod
     def index_layer(self, stack: Array, index: Array) -> Array: ...

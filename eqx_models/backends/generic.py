@@ -44,6 +44,9 @@ class Generic(Backend):
     def prefers_quantized_tiles(self) -> bool:
         return False
 
+    def prefers_ragged_steps(self) -> bool:
+        return True  # an accelerator waits on each launch; one call a step, nothing padded
+
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
     quantized_matvecs = staticmethod(xla.quantized_matvecs)
     masked_attention = staticmethod(xla.masked_attention)
@@ -51,6 +54,7 @@ class Generic(Backend):
     grouped_matmul = staticmethod(xla.grouped_matmul)
     decode_attention = staticmethod(xla.decode_attention)
     paged_decode_attention = staticmethod(xla.paged_decode_attention)
+    ragged_paged_attention = staticmethod(xla.ragged_paged_attention)
     index_layer = staticmethod(index_layer)
     take_rows = staticmethod(take_rows)
     gather_pages = staticmethod(xla.gather_pages)

@@ -194,6 +194,148 @@ def paged_decode_attention(
     )
 
 
+# A ragged batch's tokens in blocks of this many: a row of more than one new token
+# fills whole blocks of its own (`RaggedTokens`), so a block reads its row's pages
+# once for all its tokens.
+QUERY_BLOCK = 16
+# Keys a block of queries meets per step of the online softmax: a few whole pages
+# (or blocks of new tokens) at once, so each step's products are not tiny.
+KEY_SLOTS = 128
+
+
+def ragged_paged_attention(
+    query, new_keys, new_values, key_pool, value_pool, layer, block_tables, tokens, sinks, key_scales, value_scales,
+    scale, softcap, take=take, decode=None,
+):
+    """The reference. A backend may pass its own page gather (`take(pool, layer,
+    pages)`) and its one-token-per-row attention (`decode`, as
+    `paged_decode_attention`; default this module's, used without a soft cap).
+
+    Rows of several tokens (prompt chunks) run by blocks of `QUERY_BLOCK` tokens:
+    each block against its row's new tokens block by block, then against its row's
+    pages column by column (online softmax, as flash attention). Rows of one token
+    (decodes) run as a decode step does, one query per row."""
+    num_tokens, kv_heads, groups, head_dim = query.shape
+    value_dim = new_values.shape[-1]
+    rows, positions = tokens.rows, tokens.positions
+    row = jnp.clip(rows, 0, block_tables.shape[0] - 1)
+    lengths = tokens.lengths
+    single = (rows >= 0) & (lengths[row] == 1)
+    pages_of = lambda pool, scales, page: _page_rows(take, pool, scales, layer, page)
+
+    def scored(q, k, seen):  # [n, b, kv, g, d] x [n, p, kv, d] -> [n, kv, g, b, p], unseen at the lowest
+        scores = jnp.einsum("nbkgd,npkd->nkgbp", q, k) * scale
+        if softcap is not None:
+            scores = jnp.tanh(scores / softcap) * softcap
+        return jnp.where(seen[:, None, None], scores, _LOWEST)
+
+    def page_columns(q, q_rows, q_positions, seen_rows, cached, state):
+        """`state` after the pages of each group's row (`q_rows`, one per group),
+        `per_step` table columns at a time."""
+        tables, (width, page_size) = block_tables[q_rows], (block_tables.shape[1], key_pool.shape[3])
+        per_step = max(1, min(width, KEY_SLOTS // page_size))
+        side_by_side = lambda pages: pages.transpose(0, 1, 3, 2, 4).reshape(len(q), -1, *pages.shape[2:3], pages.shape[-1])
+
+        def columns(j, state):
+            # Columns past the table repeat its last (their slots are past every row's tokens).
+            pages = tables[:, jnp.minimum(j * per_step + jnp.arange(per_step), width - 1)]
+            keys = side_by_side(pages_of(key_pool, key_scales, pages))
+            values = side_by_side(pages_of(value_pool, value_scales, pages))[..., :value_dim]
+            slots = j * per_step * page_size + jnp.arange(per_step * page_size)
+            seen = seen_rows[:, :, None] & (slots[None, None] < cached[:, None, None])
+            seen &= q_positions[:, :, None] - slots[None, None] < tokens.window
+            return _online(state, scored(q, keys, seen), values)
+
+        steps = -(-jnp.max(jnp.where(jnp.any(seen_rows, axis=1), cached, 0)) // (per_step * page_size))
+        return jax.lax.fori_loop(0, steps, columns, state)
+
+    # Rows of several tokens, block by block.
+    blocks = num_tokens // QUERY_BLOCK
+    shaped = lambda a: a.reshape(blocks, QUERY_BLOCK, *a.shape[1:])
+    q_blocks, block_rows, block_positions = shaped(query), shaped(rows), shaped(positions)
+    block_row = block_rows[:, 0]
+    chunk = (block_rows >= 0) & ~shaped(single)
+    state = _empty_state(blocks, kv_heads, groups, QUERY_BLOCK, value_dim)
+
+    per_step = max(1, KEY_SLOTS // QUERY_BLOCK)
+    flat = lambda a: a.reshape(blocks, per_step * QUERY_BLOCK, *a.shape[3:])
+
+    def new_blocks(step, state):  # the new tokens of the blocks `offsets` before each
+        offsets = step * per_step + jnp.arange(per_step)
+        source = jnp.arange(blocks)[:, None] - offsets[None]  # [blocks, per_step]
+        inside = jnp.where(source >= 0, 1, 0)
+        source = jnp.maximum(source, 0)
+        key_rows = jnp.where(inside[..., None] > 0, block_rows[source], -1).reshape(blocks, -1)
+        before = block_positions[:, :, None] - block_positions[source].reshape(blocks, -1)[:, None, :]
+        seen = chunk[:, :, None] & (block_rows[:, :, None] == key_rows[:, None, :]) & (before >= 0)
+        seen &= before < tokens.window
+        return _online(state, scored(q_blocks, flat(shaped(new_keys)[source]), seen), flat(shaped(new_values)[source]))
+
+    longest = jnp.max(jnp.where(lengths > 1, lengths, 0))
+    steps = -(-(-(-longest // QUERY_BLOCK)) // per_step)  # the blocks a chunk spans, per_step at a time
+    state = jax.lax.fori_loop(0, steps, new_blocks, state)
+    block_cached = tokens.cached[jnp.maximum(block_row, 0)]
+    state = page_columns(q_blocks, jnp.maximum(block_row, 0), block_positions, chunk, block_cached, state)
+    out = _finished(state, sinks).transpose(0, 3, 1, 2, 4).reshape(num_tokens, kv_heads, groups, value_dim)
+
+    # Rows of one token, one query per row.
+    first = jnp.minimum(tokens.query_starts[:-1], num_tokens - 1)
+    alone = (lengths == 1)
+    if softcap is None:
+        slots = jnp.arange(block_tables.shape[1] * key_pool.shape[3])
+        valid = (slots[None] < tokens.cached[:, None]) & (tokens.cached[:, None] - slots[None] < tokens.window)
+        decoded = (decode or paged_decode_attention)(
+            query[first], key_pool, value_pool, layer, block_tables, valid, alone, new_keys[first],
+            new_values[first], sinks, key_scales, value_scales, scale,
+        )
+    else:
+        batch = block_tables.shape[0]
+        state = _online(_empty_state(batch, kv_heads, groups, 1, value_dim),
+                        scored(query[first][:, None], new_keys[first][:, None], alone[:, None, None]),
+                        new_values[first][:, None])
+        state = page_columns(query[first][:, None], jnp.arange(batch), tokens.cached[:, None], alone[:, None],
+                             tokens.cached, state)
+        decoded = _finished(state, sinks)[:, :, :, 0]
+    return jnp.where(single[:, None, None, None], decoded[row], out)
+
+
+_LOWEST = float(jnp.finfo(jnp.float32).min)  # finite: a query that sees nothing averages junk, never NaN
+
+
+def _empty_state(count: int, kv_heads: int, groups: int, queries: int, value_dim: int) -> tuple:
+    """Running (max, sum, weighted values) of an online softmax, before any key."""
+    shape = (count, kv_heads, groups, queries)
+    return (jnp.full(shape, _LOWEST, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros((*shape, value_dim), jnp.float32))
+
+
+def _online(state: tuple, scores: Array, values: Array) -> tuple:
+    """`state` after keys with `scores` `[n, kv, g, q, p]` and `values` `[n, p, kv, d]`."""
+    top, total, out = state
+    new_top = jnp.maximum(top, jnp.max(scores, axis=-1))
+    weights = jnp.exp(scores - new_top[..., None])
+    rescale = jnp.exp(top - new_top)
+    out = out * rescale[..., None] + jnp.einsum("nkgqp,npkd->nkgqd", weights, values)
+    return new_top, total * rescale + jnp.sum(weights, axis=-1), out
+
+
+def _finished(state: tuple, sinks: Array) -> Array:
+    """The attention output of an online softmax's `state`, the sinks joining it."""
+    top, total, out = state
+    sink = sinks[None, :, :, None]
+    new_top = jnp.maximum(top, sink)
+    rescale = jnp.exp(top - new_top)
+    return out * rescale[..., None] / (total * rescale + jnp.exp(sink - new_top))[..., None]
+
+
+def _page_rows(take, pool: Array, scales: Array, layer: Array, pages: Array) -> Array:
+    """Pages `pool[layer, pages]` in float32, times their per-row scales when given."""
+    rows = take(pool, layer, pages).astype(jnp.float32)
+    if scales.size:
+        rows = rows * take(scales, layer, pages)[..., None]
+    return rows
+
+
 def greedy_rows(logits: Array) -> Array:
     # Two plain reductions: XLA:CPU's argmax is one reduction over (value, index)
     # pairs that it does not vectorise (0.67 ms over 151,936 logits against 0.14 ms

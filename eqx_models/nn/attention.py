@@ -11,6 +11,7 @@ from jaxtyping import Array, Bool, Float, Int, PRNGKeyArray
 from ..axes import AbstractHasArrayAxes
 from ..config import DecoderConfig
 from ..ops import VisibleSlots, attends_one_token, causal_attention, masked_attention
+from ..paged_cache import RaggedPagedLayerKV
 from .linear import Linear, project_together
 from .norm import RMSNorm
 from .rope import apply_rotary, apply_rotary_interleaved
@@ -104,7 +105,9 @@ def attend(
     `cached` is the layer's view of a cache (`KVCache.layer(i)`, or the same from
     another cache kind): `materialize()` gives its `[batch, kv_heads, kv_seq,
     head_dim]` keys and values, `attend_token` the decode kernel that reads them in
-    place. `k` and `v` are this step's own (already rotated). Scores are scaled by
+    place; a `RaggedPagedLayerKV` (one ragged batch, `batch` 1) attends each token to
+    its own row's pages and new tokens. `k` and `v` are this step's own (already
+    rotated). Scores are scaled by
     `scale` and, with `softcap`, squashed to `softcap * tanh(score / softcap)`;
     `sinks` (one logit per query head) join each softmax (see
     `eqx_models.ops.masked_attention`).
@@ -112,6 +115,15 @@ def attend(
     batch, num_heads, seq, head_dim = q.shape
     num_kv_heads = k.shape[1]
     groups = num_heads // num_kv_heads
+    if isinstance(cached, RaggedPagedLayerKV):
+        # One ragged batch (`[1, tokens]`): every token against its own row's pages
+        # and new tokens.
+        out = cached.attend_tokens(
+            q[0].reshape(num_kv_heads, groups, seq, head_dim).transpose(2, 0, 1, 3), k[0].transpose(1, 0, 2),
+            v[0].transpose(1, 0, 2), inputs.attention_mask[0], inputs.window, scale, softcap,
+            None if sinks is None else sinks.reshape(num_kv_heads, groups),
+        )
+        return out.reshape(1, seq, num_heads, -1).astype(q.dtype)
     if use_decode_kernel(seq, cached, softcap):
         # One token per row against the cache read in place. The new key/value
         # are rounded first, as the cache will hold them.

@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int, PRNGKeyArray
 
 from ..cache import KVCache, resolve_cache_dtype
-from ..paged_cache import PagedKVCache
+from ..paged_cache import PagedKVCache, RaggedPagedKVCache
 from .. import sharding
 from ..architecture import architecture_of
 from ..config import DecoderConfig
@@ -78,24 +78,28 @@ class CausalLM(eqx.Module):
     def __call__(
         self,
         input_ids: Int[Array | np.ndarray, "batch seq"],
-        cache: KVCache | PagedKVCache | None = None,
+        cache: KVCache | PagedKVCache | RaggedPagedKVCache | None = None,
         attention_mask: Int[Array | np.ndarray, "batch seq"] | None = None,
         *,
         logits_to_keep: int | None = None,
+        logits_at: Int[Array | np.ndarray, "batch keep"] | None = None,
         segment_ids: Int[Array | np.ndarray, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch _ vocab"], KVCache | PagedKVCache | None]:
+    ) -> tuple[Float[Array, "batch _ vocab"], KVCache | PagedKVCache | RaggedPagedKVCache | None]:
         """Next-token logits for every position, and the updated cache.
 
         Args:
             input_ids: token ids `[batch, seq]` (a jax or numpy array).
             cache: a `KVCache` from `init_cache` (or a previous call), a
-                `PagedKVCache` (the serving engine's), or None for a plain forward
-                pass. Prefill, chunked prefill and decode are all this one call
+                `PagedKVCache` (the serving engine's), a `RaggedPagedKVCache` (its
+                ragged step: `input_ids` of shape `[1, tokens]`), or None for a plain
+                forward pass. Prefill, chunked prefill and decode are all this one call
                 with a longer or shorter `input_ids`.
             attention_mask: `[batch, seq]`, 1 for real tokens and 0 for padding
                 (left padding for a ragged batch). Defaults to all ones.
             logits_to_keep: if given, only the last this-many positions get logits
                 (generation needs one; the vocabulary projection is the costly part).
+            logits_at: `[batch, keep]` positions of each row whose logits are
+                wanted (a ragged step's rows end anywhere); not with `logits_to_keep`.
             segment_ids: `[batch, seq]` document ids of packed sequences (no cache):
                 tokens attend only within their run of equal ids, and positions
                 restart at the start of each run.
@@ -105,7 +109,10 @@ class CausalLM(eqx.Module):
             activation dtype, and the cache with this call's keys/values appended
             (None when no cache was given).
         """
-        return _compiled_forward(self, input_ids, attention_mask, cache, None, logits_to_keep, segment_ids=segment_ids)
+        if logits_at is not None and logits_to_keep is not None:
+            raise ValueError("Give logits_to_keep (the last positions) or logits_at (chosen ones), not both.")
+        return _compiled_forward(self, input_ids, attention_mask, cache, None, logits_to_keep, segment_ids=segment_ids,
+                                 logits_at=logits_at)
 
     def prefill(
         self,
@@ -139,7 +146,7 @@ class CausalLM(eqx.Module):
 
     def _forward(
         self, input_ids, attention_mask, cache, new_cache_length, logits_to_keep, new_cache_dtype=None,
-        segment_ids=None,
+        segment_ids=None, logits_at=None,
     ):
         input_ids = jnp.asarray(input_ids)
         if attention_mask is None:
@@ -156,6 +163,8 @@ class CausalLM(eqx.Module):
             )
             if logits_to_keep is not None:
                 hidden = hidden[:, -logits_to_keep:]
+            if logits_at is not None:
+                hidden = jnp.take_along_axis(hidden, jnp.asarray(logits_at, jnp.int32)[..., None], axis=1)
             if self.lm_head is None:
                 logits = self.model.embed_tokens.attend(hidden)
             else:

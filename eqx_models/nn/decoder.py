@@ -12,7 +12,7 @@ from ..architecture import architecture_of
 from ..cache import KVCache
 from ..config import DecoderConfig
 from ..ops import NO_WINDOW
-from ..paged_cache import PagedKVCache
+from ..paged_cache import PagedKVCache, RaggedPagedKVCache
 from ..sharding import stacked_field
 from .attention import AbstractAttention, Attention, LayerInputs
 from .linear import Embedding, layer_view
@@ -228,12 +228,12 @@ class Decoder(eqx.Module):
         self,
         input_ids: Int[Array, "batch seq"],
         attention_mask: Int[Array, "batch seq"],
-        cache: KVCache | PagedKVCache | None = None,
+        cache: KVCache | PagedKVCache | RaggedPagedKVCache | None = None,
         *,
         new_cache_length: int | None = None,
         new_cache_dtype=None,
         segment_ids: Int[Array, "batch seq"] | None = None,
-    ) -> tuple[Float[Array, "batch seq hidden"], KVCache | PagedKVCache | None]:
+    ) -> tuple[Float[Array, "batch seq hidden"], KVCache | PagedKVCache | RaggedPagedKVCache | None]:
         """Runs the stack; returns the final hidden states and the updated cache.
 
         With `cache=None` and `new_cache_length`, the tokens attend only to each

@@ -624,6 +624,13 @@ class Cpu(Backend):
     def prefers_quantized_tiles(self) -> bool:
         return quantized_tiles_available()
 
+    def prefers_ragged_steps(self) -> bool:
+        # Not yet: the ragged attention runs in XLA here (small products, a block
+        # of queries at a time), and a step of Qwen3-0.6B-shaped prompt chunks took
+        # longer than the calls by chunk length with their one dense product each
+        # (benchmarks: serving throughput, CPU).
+        return False
+
     @staticmethod
     def stacked_matvecs(x: Array, stacks: tuple[Array, ...], layer: Array) -> tuple[Array, ...]:
         return _matvecs(x, stacks, layer)
@@ -637,6 +644,8 @@ class Cpu(Backend):
     grouped_matmul = staticmethod(xla.grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
     paged_decode_attention = staticmethod(_paged_decode_attention)
+    ragged_paged_attention = staticmethod(
+        functools.partial(xla.ragged_paged_attention, take=_take, decode=_paged_decode_attention))
     index_layer = staticmethod(_index_layer)
     take_rows = staticmethod(_take_rows)
     gather_pages = staticmethod(_gather_pages)

@@ -78,6 +78,9 @@ class Tpu(Backend):
     def prefers_quantized_tiles(self) -> bool:
         return False
 
+    def prefers_ragged_steps(self) -> bool:
+        return True  # one call a step: the chip never waits on a second launch, nothing padded
+
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
     quantized_matvecs = staticmethod(xla.quantized_matvecs)
     masked_attention = staticmethod(xla.masked_attention)
@@ -85,6 +88,7 @@ class Tpu(Backend):
     grouped_matmul = staticmethod(_grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
     paged_decode_attention = staticmethod(xla.paged_decode_attention)
+    ragged_paged_attention = staticmethod(xla.ragged_paged_attention)
     index_layer = staticmethod(index_layer)
     take_rows = staticmethod(take_rows)
     gather_pages = staticmethod(xla.gather_pages)
