@@ -1,7 +1,8 @@
 """Correctness on the accelerator, in one command: the TPU backend's kernels (decode
 attention, the experts' grouped product, splash attention over prompts) against the reference ops on the chip, greedy tokens of a float32 model on the chip
 against the same model on the host's CPU, and logits against `transformers`
-(float32 at `jax.default_matmul_precision("highest")`, and bfloat16).
+(float32 at `jax.default_matmul_precision("highest")`, and bfloat16), and the
+serving engine's ragged steps against its steps by chunk length and `generate`.
 
 Run on the TPU machine (CI has no TPU; the kernels are also tested there in
 Pallas' interpreter, `tests/test_tpu_kernels.py`):
@@ -12,8 +13,10 @@ The `transformers` part runs where `torch` and `transformers` import.
 """
 
 import json
+import os
 import sys
 import tempfile
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +28,9 @@ from eqx_models.backends.tpu import attention, experts, splash
 
 from tpu_decode import RESULTS
 
+# The stories260K tokenizer (512 tokens, as TINY's vocabulary): the engine wants one.
+STORIES = Path(os.environ.get("EQX_MODELS_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures")
+               ) / "stories260K"
 # A small Qwen3 with the head size of the real ones (the attention kernel's lanes).
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, head_dim=128, max_position_embeddings=1024, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -123,6 +129,34 @@ def check_tokens_against_the_cpu() -> dict:
             "ok": same == 1.0}
 
 
+def check_engine_steps() -> list[dict]:
+    """The serving engine's ragged steps (prompt chunks and decodes in one call)
+    against its steps by chunk length, and both against `generate`: greedy tokens
+    of a float32 model at `highest`, prompts of different lengths arriving
+    together, so chunks and decodes share steps."""
+    from eqx_models.serving import Engine, SamplingParams
+
+    config = eqx_models.DecoderConfig(model_type="qwen3", use_qk_norm=True, **TINY)
+    model = eqx_models.CausalLM(config, key=jax.random.key(1))
+    model = jax.tree.map(lambda a: a * 8 if eqx_is_weight(a) else a, model)
+    tokenizer = eqx_models.load_tokenizer(STORIES)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, TINY["vocab_size"], length).tolist() for length in (5, 40, 130, 300, 17, 2)]
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    rows = []
+    with jax.default_matmul_precision("highest"):
+        want = [eqx_models.generate(model, prompt, max_new_tokens=24, eos_token_id=[])[0].tolist()
+                for prompt in prompts]
+        for ragged in (True, False):
+            engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=128, page_size=16,
+                            num_pages=256, ragged_steps=ragged)
+            got = [out.token_ids for out in engine.generate(prompts, params)]
+            same = float(np.mean([a == b for a, b in zip(got, want)]))
+            rows.append({"check": f"engine {'ragged' if ragged else 'by-length'} steps vs generate, greedy, float32",
+                         "requests": len(prompts), "fraction_equal": same, "ok": same == 1.0})
+    return rows
+
+
 def eqx_is_weight(a) -> bool:
     return isinstance(a, jax.Array) and a.ndim >= 2 and jnp.issubdtype(a.dtype, jnp.floating)
 
@@ -168,7 +202,7 @@ def main() -> int:
         return [check_tokens_against_the_cpu()]
 
     checks = [check_attention_kernel, check_grouped_kernel, check_splash_kernel] if on_chip else []
-    checks += [check_tokens, check_against_transformers]
+    checks += [check_tokens, check_engine_steps, check_against_transformers]
     rows = []
     for check in checks:  # a check that raises is a failed row; it must not discard the others' rows
         try:

@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
-# Issue 37's checks and measurements on the TPU machine, in one call of the device tool:
+# Issues 37 and 38's checks and measurements on the TPU machine, in one call of the device tool:
 #
 #   source .tpu/setup.sh && bash benchmarks/tpu_session.sh [STEP ...]
 #
 # STEP is any of check, decode, decode4b, prefill, moe, int8, context, context16k, load8b,
-# first, matvec, moetiles, peer (default: the first five, in that order). Each step runs in its own
+# first, matvec, moetiles, peer, serve (default: the first five, in that order). Each step runs in its own
 # process (about 15 s to open the chip) under its own time limit, so a step that hangs or
 # fails leaves the others' results; its log and the JSON it writes go to $OUT when the device
 # tool sets it (else to results/). `first` (the first `eqx-models generate` of a
-# Qwen3-0.6B-shaped checkpoint in a fresh process) wants the Qwen tokenizer fixture beside
+# Qwen3-0.6B-shaped checkpoint in a fresh process) and `serve` want the Qwen tokenizer fixture beside
 # stories260K: `cp -r ../shared/fixtures/qwen-tokenizer .tpu/fixtures/` after prepare.sh;
 # `peer` the peer's code in .peer/llama3 (see tpu_peer.py), carried with .tpu.
 set -u
 cd "$(dirname "$0")"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check decode decode4b prefill moe)
-declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200 [matvec]=150 [moetiles]=300 [peer]=200)
+declare -A limit=([check]=100 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200 [matvec]=150 [moetiles]=300 [peer]=200 [serve]=500)
 declare -A command=(
     [check]="python3 tpu_check.py"
     [decode]="python3 tpu_decode.py --shape 0.6b"
@@ -30,6 +30,7 @@ declare -A command=(
     [moetiles]="python3 tpu_moe.py --experts blocks --batch-sizes 1 && python3 tpu_moe.py --row-tile 256 --batch-sizes && python3 tpu_moe.py --row-tile 512 --weight-tiles 256 128 --batch-sizes"
     [prefill]="python3 tpu_prefill.py --shape 4b --tokens 2048"
     [moe]="python3 tpu_moe.py --layers 6 --tokens 2048 --batch-sizes 1 64"
+    [serve]="python3 tpu_serve.py --shape 0.6b --concurrency 1 64 256"
 )
 # The TPU machine's copy of the checkout is read-only where tracked: results go to $OUT there.
 results=${OUT:-$PWD/results}

@@ -95,6 +95,7 @@ def _serve(args: argparse.Namespace) -> int:
         page_size=args.page_size,
         num_pages=args.num_pages,
         kv_cache_memory=args.kv_cache_memory,
+        memory_utilization=args.memory_utilization,
         kv_cache_dtype=args.kv_cache_dtype,
         prefix_caching=not args.no_prefix_caching,
         seed=args.seed,
@@ -270,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     pool = serve.add_mutually_exclusive_group()
     pool.add_argument("--num-pages", type=int, default=None, help="KV cache pages in the pool.")
     pool.add_argument("--kv-cache-memory", type=int, default=None, help="KV cache size in bytes (instead of --num-pages).")
+    pool.add_argument("--memory-utilization", type=float, default=None,
+                      help="On an accelerator, the fraction of its memory to fill: weights, a step's temporaries, "
+                           "then as many KV pages as fit (default 0.9 there; the CPU reports no memory: "
+                           "--kv-cache-memory).")
     serve.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="Weight dtype.")
     serve.add_argument("--kv-cache-dtype", choices=["float32", "bfloat16", "int8"], default=None,
                        help="KV page dtype (default: the weights'); int8 fits about twice bfloat16's tokens.")

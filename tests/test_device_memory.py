@@ -157,3 +157,42 @@ def test_a_gguf_file_beyond_the_free_memory_is_refused_before_its_weights_go_to_
     assert "Q8_0" in message and "dtype=jnp.bfloat16" in message
     reported_memory(weight_bytes)
     assert eqx_models.from_pretrained(path).dtype == jnp.float32
+
+
+def test_the_engines_pool_fills_its_share_of_the_memory_after_the_weights_and_a_steps_temporaries(reported_memory):
+    from conftest import STORIES, require_fixture
+
+    from eqx_models.serving import Engine
+
+    path = require_fixture(STORIES)
+    model, tokenizer = eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
+    options = dict(max_num_seqs=4, max_num_batched_tokens=64, page_size=16)
+    page_bytes = array_bytes(Engine(model, tokenizer, num_pages=1, **options).pools)
+    pages_per_seq = model.config.max_position_embeddings // 16
+    # 16 GiB, of which 15.5 GiB are held already: a 0.99 share leaves about 0.34 GiB
+    # less the step's temporaries.
+    reported_memory(LIMIT // 32)
+    engine = Engine(model, tokenizer, memory_utilization=0.99, **options)
+    share = int(0.99 * LIMIT) - (LIMIT - LIMIT // 32)
+    assert pages_per_seq <= engine.allocator.num_pages < share // page_bytes
+    assert engine.allocator.num_pages > 0.9 * share // page_bytes  # a small model's step takes little of it
+    # Where the share holds less than one max_model_len sequence: refused with the numbers.
+    reported_memory(LIMIT // 8)
+    with pytest.raises(OutOfDeviceMemory, match=r"holds 0 pages of 16 tokens: less than one sequence of "
+                                                r"max_model_len=\d+ tokens .* It needs memory_utilization >= 0\.8\d"):
+        Engine(model, tokenizer, memory_utilization=0.5, **options)
+    with pytest.raises(ValueError, match="not several"):
+        Engine(model, tokenizer, memory_utilization=0.5, num_pages=8, **options)
+
+
+def test_memory_utilization_on_a_device_that_reports_no_memory_is_refused_with_the_fix():
+    from conftest import STORIES, require_fixture
+
+    from eqx_models.serving import Engine
+
+    path = require_fixture(STORIES)
+    model, tokenizer = eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
+    with pytest.raises(ValueError, match="report none: give kv_cache_memory"):
+        Engine(model, tokenizer, memory_utilization=0.9)
+    with pytest.raises(ValueError, match=r"in \(0, 1\]; got 1.5"):
+        Engine(model, tokenizer, memory_utilization=1.5)

@@ -13,6 +13,17 @@ from eqx_models.serving import Engine, SamplingParams
 PROMPTS = ["Once upon a time", "The cat", "Lily wanted to play with her friend because", "Tom", "A big dog", "The sun was"]
 
 
+@pytest.fixture(autouse=True, params=["by_length", "ragged"])
+def step_kind(request, monkeypatch):
+    """Every test runs with both kinds of step: one call per chunk length and one
+    for the decodes (the CPU backend's choice), and one ragged call (an
+    accelerator's)."""
+    from eqx_models.backends import active_backend
+
+    monkeypatch.setattr(type(active_backend()), "prefers_ragged_steps", lambda self: request.param == "ragged")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def stories():
     path = require_fixture(STORIES)
@@ -270,3 +281,57 @@ def test_every_cache_architecture_serves_what_generate_gives(stories, architectu
     outs = engine.generate(prompts, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == eqx_models.generate(model, prompt, max_new_tokens=14, eos_token_id=[])[0].tolist()
+
+
+def test_a_step_of_prompt_chunks_and_decodes_is_one_ragged_call(stories):
+    """Prompt chunks and decodes of one step go in one call, flattened; decodes
+    alone go one token per row; outputs are those of `generate`."""
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=12, page_size=4, num_pages=64,
+                    ragged_steps=True)
+    calls = []
+    forward = engine._forward
+
+    def counted(params, pools, batch, **options):
+        calls.append({name: np.shape(array) for name, array in batch.items()})
+        return forward(params, pools, batch, **options)
+
+    engine._forward = counted
+    first, second = tokenizer.encode(PROMPTS[0]), tokenizer.encode(PROMPTS[2])  # 5 and 10 tokens
+    params = SamplingParams(max_tokens=6, temperature=0)
+    outputs = {}
+    collect = lambda update: outputs.setdefault(update.request_id, []).extend(update.token_ids)
+    engine.add_request(first, params, request_id="first", on_update=collect)
+    engine.step()
+    engine.add_request(second, params, request_id="second", on_update=collect)
+    calls.clear()
+    engine.step()  # the first decodes while the second's prompt is computed, in whole blocks of its own
+    assert len(calls) == 1 and calls[0]["ids"] == (1, 32) and calls[0]["query_starts"] == (3,)
+    engine.step()  # the rest of the second's prompt and the first's decode: still one call
+    assert len(calls) == 2 and calls[1]["ids"] == (1, 32)
+    while engine.has_work:
+        engine.step()
+    assert all(call["ids"][1] == 1 and "query_starts" not in call for call in calls[2:])  # decodes alone
+    assert outputs == {"first": alone(model, first, 6), "second": alone(model, second, 6)}
+
+
+def test_prompt_logprobs_are_the_models_log_softmax_over_the_prompt(stories):
+    import jax
+
+    model, tokenizer = stories
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=16, page_size=4, num_pages=64)
+    prompts = [tokenizer.encode(p) for p in PROMPTS[:3]]  # one of 11 tokens, over two steps
+    updates = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(prompt, SamplingParams(max_tokens=2, temperature=0), request_id=str(i),
+                           prompt_logprobs=True, on_update=lambda u: updates.setdefault(u.request_id, []).append(u))
+    while engine.has_work:
+        engine.step()
+    for i, prompt in enumerate(prompts):
+        entries = next(u.prompt_logprobs for u in updates[str(i)] if u.prompt_logprobs is not None)
+        logits, _ = model(np.asarray([prompt]))
+        want = jax.nn.log_softmax(logits[0, :-1].astype(jnp.float32), axis=-1)
+        assert entries[0] is None and len(entries) == len(prompt)
+        for position, entry in enumerate(entries[1:]):
+            assert entry.token_id == prompt[position + 1]
+            assert entry.logprob == pytest.approx(float(want[position, prompt[position + 1]]), abs=1e-4)

@@ -33,10 +33,11 @@ def qwen(tmp_path_factory):
     return eqx_models.from_pretrained(folder), eqx_models.load_tokenizer(require_fixture(QWEN_TOKENIZER))
 
 
-@pytest.fixture(scope="module")
-def engine(qwen):
+@pytest.fixture(scope="module", params=[False, True], ids=["by_length", "ragged"])
+def engine(qwen, request):
     model, tokenizer = qwen
-    return Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=256)
+    return Engine(model, tokenizer, max_num_seqs=8, max_num_batched_tokens=64, page_size=4, num_pages=256,
+                  ragged_steps=request.param)
 
 
 def test_each_row_keeps_to_its_own_constraint_and_free_rows_are_untouched(engine, qwen):

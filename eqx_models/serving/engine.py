@@ -1,12 +1,16 @@
 """The serving engine: continuous batching over a paged KV cache.
 
 Each `step()` asks the `Scheduler` for a plan (which prompt chunks to compute,
-which sequences decode a token; it admits and preempts), runs the prompt chunks
-(one call per chunk-length bucket), then one decode call for every sequence that
-has its prompt cached, and turns the sampled tokens into text, stops and
-log-probabilities. Shapes are bucketed (powers of two for the chunk length, the
-batch and the block-table width), so the number of compilations is bounded
-whatever the traffic.
+which sequences decode a token; it admits and preempts), runs the model on it,
+and turns the sampled tokens into text, stops and log-probabilities. Where the
+backend prefers it (accelerators), a step with prompt chunks is one ragged call
+(`RaggedPagedKVCache`: every row's new tokens flattened into one row, each
+attending to its own pages, nothing padded to the longest chunk); elsewhere, and
+for a family with a recurrent state, one call per chunk-length bucket and one
+for the decodes. A step of decodes alone is one call of one token per row
+(`PagedKVCache`, the decode kernel's shape). Shapes are bucketed (powers of two
+for the token count, the batch and the block-table width), so the number of
+compilations is bounded whatever the traffic.
 """
 
 import collections
@@ -24,9 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..cache import resolve_cache_dtype
-from ..device_memory import free_bytes, refuse_unless_fits
+from ..device_memory import OutOfDeviceMemory, free_bytes, gib, refuse_unless_fits
 from ..nn.causal_lm import CausalLM
-from ..paged_cache import PagedKVCache
+from ..backends import active_backend
+from ..backends.xla import QUERY_BLOCK
+from ..paged_cache import PagedKVCache, RaggedPagedKVCache
 from ..tokenizer import StreamDecoder, Tokenizer
 from .scheduler import ScheduledSequence, Scheduler
 from .structured import GrammarCompiler, Matcher, StructuredOutput
@@ -39,10 +45,17 @@ MIN_CHUNK_BUCKET = 16
 # SentencePiece leading space or a character split across tokens).
 DETOKENIZE_CONTEXT = 8
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+# The share of an accelerator's memory the engine fills (weights, a step's
+# temporaries and the page pool), as vLLM's `--gpu-memory-utilization`.
+DEFAULT_MEMORY_UTILIZATION = 0.9
 
 
 def _bucket(n: int, smallest: int = 1) -> int:
     return max(smallest, 1 << max(n - 1, 0).bit_length())
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
 
 
 @dataclasses.dataclass
@@ -129,15 +142,26 @@ class Engine:
         page_size: tokens per KV page.
         num_pages: pages in the pool; or give `kv_cache_memory` (bytes) instead,
             which also holds a hybrid model's recurrent-state pool (one state per
-            running sequence, plus one). Default: a pool of
-            `DEFAULT_KV_CACHE_BYTES`, or less if that is more than `max_num_seqs`
-            full-length sequences need.
+            running sequence, plus one); or `memory_utilization`. Default: on an
+            accelerator (a device that reports its memory), `memory_utilization`
+            0.9; elsewhere a pool of `DEFAULT_KV_CACHE_BYTES`, or less if that is
+            more than `max_num_seqs` full-length sequences need.
+        memory_utilization: the fraction of the accelerator's memory the engine
+            may fill: the pool gets what is left of it after what the device
+            already holds (the weights) and the largest step's temporaries (its
+            compiled program's, measured). Refused where that cannot hold one
+            sequence of `max_model_len` tokens, or where the device reports no
+            memory (the CPU: give `kv_cache_memory`).
         kv_cache_dtype: the pages' dtype (default: the model's); `"int8"` keeps a
             float32 scale per token and head and fits about twice the tokens of
             bfloat16 in the same memory.
         prefix_caching: keep full pages for reuse, so that a request whose tokens
             begin like an earlier one's skips computing that part (see
             `Scheduler`); off for a model with a recurrent state.
+        ragged_steps: run a step's prompt chunks and decodes as one ragged batch
+            (True) or one call per chunk length and one for the decodes (False);
+            default: the backend's choice (ragged on accelerators, not yet on
+            the CPU). Not for a model with a recurrent state.
         seed: seeds the requests that do not bring their own.
 
     A failure while serving one request ends that request alone (finish_reason
@@ -160,8 +184,10 @@ class Engine:
         page_size: int = 16,
         num_pages: int | None = None,
         kv_cache_memory: int | None = None,
+        memory_utilization: float | None = None,
         kv_cache_dtype=None,
         prefix_caching: bool = True,
+        ragged_steps: bool | None = None,
         seed: int = 0,
     ):
         config = model.config
@@ -198,14 +224,44 @@ class Engine:
         # only: the state itself is made once, with the pools.
         state_shape = jax.eval_shape(lambda: config.recurrent_state(max_num_seqs + 1, model.dtype))
         self._has_state = state_shape is not None
+        # A step's prompt chunks and decodes run as one ragged call where the
+        # backend prefers it; a recurrent state (updated token by token per row)
+        # keeps the calls by chunk length.
+        ragged_steps = active_backend().prefers_ragged_steps() if ragged_steps is None else ragged_steps
+        if ragged_steps and self._has_state:
+            raise ValueError("ragged_steps: a model with a recurrent state (Qwen3-Next) steps by chunk length; "
+                             "leave ragged_steps unset.")
+        self._ragged = ragged_steps
         state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state_shape))
-        if num_pages is not None and kv_cache_memory is not None:
-            raise ValueError("Give num_pages or kv_cache_memory, not both.")
-        if num_pages is None:
-            # The budget holds the pages and the recurrent-state pool together.
-            if kv_cache_memory is None:
+        if sum(size is not None for size in (num_pages, kv_cache_memory, memory_utilization)) > 1:
+            raise ValueError("Give one of num_pages, kv_cache_memory and memory_utilization, not several.")
+        if memory_utilization is not None and not 0 < memory_utilization <= 1:
+            raise ValueError(f"memory_utilization is a fraction of the device's memory, in (0, 1]; got "
+                             f"{memory_utilization}.")
+        self.trace_counts: collections.Counter = collections.Counter()
+        params, static = eqx.partition(model, eqx.is_array)
+        self._params = params
+        self._forward = jax.jit(
+            self._make_forward(static, self.trace_counts), donate_argnums=1,
+            static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"),
+        )
+        self.kv_cache_dtype = kv_cache_dtype
+        self._layout = layout
+        if num_pages is None and kv_cache_memory is None:
+            reported = free_bytes(model.devices())
+            if reported is not None:
+                num_pages = self._pages_in_memory(reported, memory_utilization or DEFAULT_MEMORY_UTILIZATION, static,
+                                                  page_bytes, state_bytes)
+            elif memory_utilization is not None:
+                raise ValueError(
+                    f"memory_utilization sizes the pool from an accelerator's memory, and {model.devices()} report "
+                    "none: give kv_cache_memory (bytes) or num_pages."
+                )
+            else:
                 kv_cache_memory = min(DEFAULT_KV_CACHE_BYTES, max_num_seqs * self.pages_per_seq * page_bytes)
                 kv_cache_memory += state_bytes
+        if num_pages is None:
+            # The budget holds the pages and the recurrent-state pool together.
             num_pages = int((kv_cache_memory - state_bytes) // page_bytes)
             if num_pages < 1:
                 state = f" after the recurrent state of {max_num_seqs} + 1 sequences ({state_bytes} bytes)"
@@ -216,10 +272,9 @@ class Engine:
         self.scheduler = Scheduler(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, page_size=page_size,
             num_pages=num_pages, state_slots=max_num_seqs if self._has_state else None, prefix_caching=prefix_caching,
+            chunk_granularity=QUERY_BLOCK if self._ragged else 1,
         )
-        pool_shape = (config.num_blocks, num_pages, layout.kv_heads, page_size, layout.key_dim)
-        self.kv_cache_dtype = kv_cache_dtype
-        self._pool_shape, self._value_dim = pool_shape, layout.value_dim
+        self._num_pages = num_pages
         pool_bytes = num_pages * page_bytes + state_bytes
         fitting = free_bytes(model.devices())
         fitting = None if fitting is None else int((fitting[0] - state_bytes) // page_bytes)
@@ -232,7 +287,6 @@ class Engine:
         self.pools = self._empty_pools()
         eos = tokenizer.eos_token_ids or config.eos_token_id
         self.eos_token_ids = frozenset(int(i) for i in eos)
-        self.trace_counts: collections.Counter = collections.Counter()
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._backlog: list = []  # taken from the inbox while idle, handled first
         self._rng = np.random.default_rng(seed)
@@ -244,12 +298,6 @@ class Engine:
         self._grammars_lock = threading.Lock()  # requests come from the server's threads and the engine's
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        params, static = eqx.partition(model, eqx.is_array)
-        self._params = params
-        self._forward = jax.jit(
-            self._make_forward(static), donate_argnums=1,
-            static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"),
-        )
         logger.info(
             "KV cache: %d pages of %d tokens (%.1f MB), %d tokens in all; recurrent state %.1f MB; "
             "max_model_len %d, max_num_seqs %d",
@@ -257,16 +305,57 @@ class Engine:
             self.max_model_len, max_num_seqs,
         )
 
-    def _empty_pools(self) -> tuple:
-        """The key and value pools, their scales (int8) or None, and the
-        recurrent-state pool (or None)."""
+    def _empty_pools(self, num_pages: int | None = None) -> tuple:
+        """The key and value pools (of `num_pages`, default the engine's), their
+        scales (int8) or None, and the recurrent-state pool (or None)."""
         # Committed to a device like the step's outputs that replace them: jit keys
         # its compiled code on that too, and would otherwise compile every shape twice.
-        pools = PagedKVCache.empty_pool(*self._pool_shape, dtype=self.kv_cache_dtype, value_dim=self._value_dim)
+        layout, config = self._layout, self.model.config
+        pools = PagedKVCache.empty_pool(
+            config.num_blocks, num_pages or self._num_pages, layout.kv_heads, self.page_size, layout.key_dim,
+            dtype=self.kv_cache_dtype, value_dim=layout.value_dim,
+        )
         state = None
         if self._has_state:
-            state = self.model.config.recurrent_state(self.max_num_seqs + 1, self.model.dtype)
+            state = config.recurrent_state(self.max_num_seqs + 1, self.model.dtype)
         return jax.device_put((*pools, state), jax.devices()[0])
+
+    def _pages_in_memory(self, reported, utilization: float, static, page_bytes: int, state_bytes: int) -> int:
+        """The pages that fit in `utilization` of the device's memory, after what it
+        holds now and the temporaries of the largest step (measured on its
+        compiled program, with a pool of one sequence's pages); refuses a pool that
+        cannot hold one sequence of `max_model_len` tokens."""
+        available, limit, device = reported
+        in_use = limit - available
+        pools = jax.eval_shape(lambda: self._empty_pools(self.pages_per_seq + 1))
+        width = min(self.pages_per_seq, _bucket(self.pages_per_seq))
+        batch = _bucket(self.max_num_seqs)
+        if self._ragged:
+            inputs = self._ragged_inputs([], batch, width, [], tokens=self.max_num_batched_tokens)
+        else:
+            inputs = self._inputs([], batch, width, [self.max_num_batched_tokens])
+        probe = jax.jit(self._make_forward(static, collections.Counter()), donate_argnums=1,
+                        static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"))
+        compiled = probe.lower(self._params, pools, inputs, sampled=True, filters=True, masked=False, logprobs=True,
+                               all_logits=True).compile()
+        step = compiled.memory_analysis().temp_size_in_bytes
+        budget = int(utilization * limit) - in_use - step - state_bytes
+        num_pages = max(budget // page_bytes, 0)
+        if num_pages < self.pages_per_seq:
+            needed = self.pages_per_seq * page_bytes + state_bytes + step + in_use
+            raise OutOfDeviceMemory(
+                f"The serving engine's page pool, at memory_utilization={utilization} of {device}'s {gib(limit)}, "
+                f"holds {num_pages} pages of {self.page_size} tokens: less than one sequence of max_model_len="
+                f"{self.max_model_len} tokens ({self.pages_per_seq} pages, {gib(self.pages_per_seq * page_bytes)}), "
+                f"after {gib(in_use)} the device holds (weights, other arrays) and {gib(step)} for the largest "
+                f"step's temporaries. It needs memory_utilization >= {needed / limit:.2f}, or a lower "
+                "max_model_len, max_num_batched_tokens or max_num_seqs, "
+                + ("int8 pages (kv_cache_dtype='int8') or " if self.kv_cache_dtype != jnp.int8 else "")
+                + "int8 weights (quantize='int8')."
+            )
+        logger.info("page pool: %d pages (%s) in %s of %s: %s held, %s for a step's temporaries", num_pages,
+                    gib(num_pages * page_bytes), f"{utilization:.2f}", gib(limit), gib(in_use), gib(step))
+        return int(num_pages)
 
     # ----------------------------------------------------------------- requests
 
@@ -449,9 +538,12 @@ class Engine:
         plan = self.scheduler.schedule()
         self._failed = []
         try:
-            self._run_prefill(plan.prefill)  # admits and preempts nothing: the decode rows still run
-            if plan.decode:
-                self._run_decode(plan.decode)
+            if self._ragged and plan.prefill:  # prompt chunks and decodes in one call
+                self._run_prefill(plan.prefill + [(sequence, 1) for sequence in plan.decode])
+            else:
+                self._run_prefill(plan.prefill)  # admits and preempts nothing: the decode rows still run
+                if plan.decode:
+                    self._run_decode(plan.decode)
         except _PoolsLost:
             pass  # every running sequence waits to be recomputed
         for sequence in dict.fromkeys([sequence for sequence, _ in plan.prefill] + plan.decode + self._failed):
@@ -499,18 +591,24 @@ class Engine:
 
     # -------------------------------------------------------------- model calls
 
-    def _make_forward(self, static):
-        counts = self.trace_counts
-
+    def _make_forward(self, static, counts: collections.Counter):
         def forward(params, pools, batch, *, sampled: bool, filters: bool, masked: bool, logprobs: bool,
                     all_logits: bool):
-            counts["prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
+            ragged = "query_starts" in batch
+            counts["ragged" if ragged else "prefill" if batch["ids"].shape[1] > 1 else "decode"] += 1
             model = eqx.combine(params, static)
             keys, values, key_scales, value_scales, state = pools
-            cache = PagedKVCache(keys, values, batch["tables"], batch["positions"], state, batch["state_slots"],
-                                 key_scales, value_scales)
-            logits, cache = model(batch["ids"], cache, batch["mask"], logits_to_keep=None if all_logits else 1)
-            last = logits[:, -1]
+            if ragged:
+                cache = RaggedPagedKVCache(keys, values, batch["tables"], batch["positions"], batch["query_starts"],
+                                           key_scales, value_scales)
+                logits, cache = model(batch["ids"], cache, batch["mask"],
+                                      logits_at=None if all_logits else batch["logits_at"])
+                last = jnp.take_along_axis(logits, batch["logits_at"][..., None], axis=1)[0] if all_logits else logits[0]
+            else:
+                cache = PagedKVCache(keys, values, batch["tables"], batch["positions"], state, batch["state_slots"],
+                                     key_scales, value_scales)
+                logits, cache = model(batch["ids"], cache, batch["mask"], logits_to_keep=None if all_logits else 1)
+                last = logits[:, -1]
             allowed = last
             if masked:  # structured outputs: bit t % 32 of word t // 32 allows token t
                 bits = jax.lax.bitcast_convert_type(batch["allowed"], jnp.uint8).reshape(last.shape[0], -1)
@@ -549,13 +647,55 @@ class Engine:
                 self._blank_row(inputs, i)
         return inputs
 
-    def _fill_row(self, inputs: dict[str, np.ndarray], i: int, sequence: _Sequence, length: int, width: int) -> None:
-        seq = inputs["ids"].shape[1]
+    def _ragged_inputs(
+        self, rows: list[_Sequence], batch: int, width: int, lengths: list[int], tokens: int = 0,
+    ) -> dict[str, np.ndarray]:
+        """Host arrays of one ragged call: the rows' new tokens end to end in one
+        row of a bucketed length (of at least `tokens`), with where each row's start
+        (`query_starts`) and each row's last (`logits_at`, the token it samples
+        after). A row that cannot be filled in fails its request and becomes padding."""
+        starts = np.zeros(batch + 1, np.int32)
+        end = 0
+        for i, length in enumerate(lengths):  # a chunk spans whole blocks of its own
+            starts[i] = end = _round_up(end, QUERY_BLOCK) if length > 1 else end
+            end += length
+        starts[len(rows) :] = _round_up(end, QUERY_BLOCK)
+        # Powers of two, but never past the budget and the two part-blocks it may
+        # be overrun by (the decodes' padding, a last chunk's).
+        end = int(starts[-1])
+        tokens = max(end, min(_bucket(max(end, tokens), MIN_CHUNK_BUCKET),
+                              _round_up(self.max_num_batched_tokens, QUERY_BLOCK) + 2 * QUERY_BLOCK))
+        inputs = dict(
+            ids=np.zeros((1, tokens), np.int32), mask=np.zeros((1, tokens), np.int32),
+            targets=np.zeros((1, tokens), np.int32), logits_at=np.zeros((1, batch), np.int32),
+            query_starts=starts, tables=np.zeros((batch, width), np.int32), positions=np.zeros(batch, np.int32),
+            seeds=np.zeros(batch, np.int32), counters=np.zeros(batch, np.int32),
+            temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
+        )
+        for i, (sequence, length) in enumerate(zip(rows, lengths)):
+            try:
+                self._fill_row(inputs, i, sequence, length, width, start=int(starts[i]))
+            except Exception as error:
+                self._fail(sequence, error)
+                self._blank_row(inputs, i)
+        return inputs
+
+    def _fill_row(
+        self, inputs: dict[str, np.ndarray], i: int, sequence: _Sequence, length: int, width: int,
+        start: int | None = None,
+    ) -> None:
+        """Row i's tokens: at columns `start` on of the one flattened row (a ragged
+        call), else at the end of row i (left-padded)."""
+        if start is None:  # left-padded: the last column is the newest token
+            row, start = i, inputs["ids"].shape[1] - length
+        else:
+            row = 0
+            inputs["logits_at"][0, i] = start + length - 1
         new = sequence.token_range(sequence.cached, sequence.cached + length)
-        inputs["ids"][i, seq - length :] = new  # left-padded: the last column is the newest token
-        inputs["mask"][i, seq - length :] = 1
+        inputs["ids"][row, start : start + length] = new
+        inputs["mask"][row, start : start + length] = 1
         following = sequence.token_range(sequence.cached + 1, sequence.cached + length + 1)
-        inputs["targets"][i, seq - length : seq - length + len(following)] = following
+        inputs["targets"][row, start : start + len(following)] = following
         inputs["tables"][i, : len(sequence.pages)] = sequence.pages[:width]
         inputs["positions"][i] = sequence.cached
         if sequence.state_slot is not None:
@@ -567,16 +707,24 @@ class Engine:
     def _blank_row(self, inputs: dict[str, np.ndarray], i: int) -> None:
         """Makes row i padding: it writes no page and its token is not kept."""
         blank = {"state_slots": self.max_num_seqs, "top_p": 1, "allowed": -1}
+        starts = inputs.get("query_starts")
         for name, array in inputs.items():
-            array[i] = blank.get(name, 0)
+            if name == "query_starts":
+                continue
+            if starts is not None and name in ("ids", "mask", "targets"):  # its span of the flattened row
+                array[0, starts[i] : starts[i + 1]] = 0
+            elif starts is not None and name == "logits_at":
+                array[0, i] = 0
+            else:
+                array[i] = blank.get(name, 0)
 
-    def _call(self, rows, batch, lengths, *, samples: list[bool], all_logits=False):
-        """Runs the model on `rows`; `samples[i]`: whether row i's token is kept
-        (its structured output's mask applies). Rows whose request failed on the way
-        in have their `finish_reason` set; None if the call itself failed
-        (`_call_failed`)."""
+    def _call(self, rows, batch, lengths, *, samples: list[bool], all_logits=False, ragged=False):
+        """Runs the model on `rows` (`ragged`: in one flattened row); `samples[i]`:
+        whether row i's token is kept (its structured output's mask applies). Rows
+        whose request failed on the way in have their `finish_reason` set; None if
+        the call itself failed (`_call_failed`)."""
         width = min(self.pages_per_seq, _bucket(max(len(s.pages) for s in rows)))
-        inputs = self._inputs(rows, batch, width, lengths)
+        inputs = (self._ragged_inputs if ragged else self._inputs)(rows, batch, width, lengths)
         if all(s.finish_reason is not None for s in rows):  # every row failed on the way in
             return None
         masked = [i for i, s in enumerate(rows) if s.matcher is not None and samples[i] and s.finish_reason is None]
@@ -593,6 +741,8 @@ class Engine:
                 all_logits=all_logits,
             )
             out = jax.device_get(out)
+            if ragged:  # where each row's tokens are, for its prompt log-probabilities
+                out["query_starts"] = inputs["query_starts"]
         except Exception as error:
             self._call_failed(rows, error)
             return None
@@ -656,8 +806,14 @@ class Engine:
         return ([together] if together else []) + [[item] for item in items if sequence_of(item).suspect is not None]
 
     def _run_prefill(self, chunks: list[tuple[_Sequence, int]]) -> None:
-        """Runs the chunks, one call per chunk-length bucket (rows of a call share the
-        weight reads; grouping by length keeps the padding small)."""
+        """Runs the chunks: in one ragged call where the model takes one, else one
+        call per chunk-length bucket (rows of a call share the weight reads;
+        grouping by length keeps the padding small)."""
+        if self._ragged:
+            for call in self._alone_if_suspect(chunks, lambda chunk: chunk[0]):
+                # Rows of one token first: then the chunks' blocks start right after them.
+                self._prefill_call(sorted(call, key=lambda chunk: chunk[1] > 1))
+            return
         groups: dict[int, list[tuple[_Sequence, int]]] = collections.defaultdict(list)
         for sequence, length in chunks:
             groups[_bucket(length, MIN_CHUNK_BUCKET) if length > 1 else 1].append((sequence, length))
@@ -670,15 +826,20 @@ class Engine:
         lengths = [length for _, length in group]
         wants = [s.prompt_logprobs and s.cached < len(s.prompt_ids) - 1 for s in rows]
         samples = [s.cached + length == s.num_tokens for s, length in group]
-        out = self._call(rows, _bucket(len(rows)), lengths, samples=samples, all_logits=any(wants))
+        out = self._call(rows, _bucket(len(rows)), lengths, samples=samples, all_logits=any(wants),
+                         ragged=self._ragged)
         if out is None:
             return
+        starts = out.get("query_starts")
         for row, (sequence, length) in enumerate(group):
             if sequence.finish_reason is not None:  # failed on the way in
                 continue
             try:
                 if wants[row]:
-                    self._record_prompt_logprobs(sequence, out["prompt"], length, row)
+                    # A ragged call's row i is columns starts[i] on of its one row;
+                    # else row i, right-aligned.
+                    where = (0, int(starts[row])) if self._ragged else (row, out["prompt"][0].shape[1] - length)
+                    self._record_prompt_logprobs(sequence, out["prompt"], length, *where)
                 completes = sequence.cached + length == sequence.num_tokens
                 self.scheduler.computed(sequence, length)
                 if completes:
@@ -701,13 +862,14 @@ class Engine:
                 except Exception as error:
                     self._fail(sequence, error)
 
-    def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int, row: int) -> None:
+    def _record_prompt_logprobs(self, sequence: _Sequence, prompt, length: int, row: int, first: int) -> None:
+        """The log-probabilities of the prompt tokens after the `length` computed
+        ones, which are columns `first` on of `row`."""
         picked, top_ids, top_values = prompt
         if sequence.prompt_entries is None:
             sequence.prompt_entries = [None]  # the first token has nothing before it
-        seq = picked.shape[1]
-        for column in range(seq - length, seq):
-            position = sequence.cached + column - (seq - length)  # predicts the token after it
+        for column in range(first, first + length):
+            position = sequence.cached + column - first  # predicts the token after it
             if position + 1 >= len(sequence.prompt_ids) or position + 1 < len(sequence.prompt_entries):
                 continue
             sequence.prompt_entries.append(

@@ -96,11 +96,15 @@ class Scheduler:
         prefix_caching: share full pages between sequences whose tokens begin the
             same way. Off for a model with a recurrent state, whose state after a
             prefix is not kept.
+        chunk_granularity: a prompt chunk of more than one token costs its length
+            rounded up to a multiple of this (the engine's ragged step lays chunks
+            out in whole blocks).
     """
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, page_size: int, num_pages: int,
-                 state_slots: int | None = None, prefix_caching: bool = True):
+                 state_slots: int | None = None, prefix_caching: bool = True, chunk_granularity: int = 1):
         self.max_num_seqs = max_num_seqs
+        self.chunk_granularity = chunk_granularity
         self.max_num_batched_tokens = max_num_batched_tokens
         self.page_size = page_size
         self.allocator = PageAllocator(num_pages, prefix_caching and state_slots is None)
@@ -213,8 +217,12 @@ class Scheduler:
                     self.prefix_queries += sequence.num_tokens
                     self.prefix_hits += sequence.cached
             chunks.append((sequence, length))
-            budget -= length
+            budget -= self._cost(length) if length > 1 else 1
         return chunks
+
+    def _cost(self, tokens: int) -> int:
+        """`tokens` rounded up to the chunk granularity."""
+        return -(-tokens // self.chunk_granularity) * self.chunk_granularity
 
     def _match_prefix(self, sequence: ScheduledSequence) -> None:
         """Starts a sequence with no pages from the cached pages its tokens begin

@@ -1,0 +1,215 @@
+"""The serving engine on one accelerator chip beside plain `generate` in the same
+run (issue 38's table).
+
+A Qwen3-shaped model with random bfloat16 weights and the Qwen tokenizer serves
+prompts of `--prompt` random tokens for `--new-tokens` output tokens each (EOS
+ignored, greedy) through `Engine.generate`, twice `max_num_seqs` requests at each
+`--concurrency`; a first round of the same shapes compiles and is not timed.
+Beside it, plain `generate` runs the same number of rows at the same batch:
+end to end (prompt included, the engine's comparison) and its decode step alone.
+Then, at `max_num_seqs` 64 (or the largest concurrency):
+
+- mixed traffic: the running sequences' decode tokens/s while a `--long-prompt`
+  token prompt is prefilled, against their rate before it arrived;
+- prefix caching: the time to first token of a `--long-prompt`-token prompt that
+  shares all but its last 64 tokens with an earlier one, caching on and off.
+
+Writes `tpu_serve.json` to `benchmarks/results/` (or `$EQX_TPU_RESULTS`).
+
+    python benchmarks/tpu_serve.py [--shape 0.6b] [--concurrency 1 64 256] [--prompt 128] [--new-tokens 128]
+"""
+
+import argparse
+import os
+import platform
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+from tpu_decode import RESULTS, random_model, write_result
+
+import eqx_models
+from eqx_models.serving import Engine, SamplingParams
+
+FIXTURES = Path(os.environ.get("EQX_MODELS_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
+PAGE_SIZE = 16
+SHARED_TAIL = 64  # tokens of the prefix-caching prompt not shared with the earlier one
+
+
+def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, vocab, (count, length)).tolist()
+
+
+def engine_round(engine: Engine, count: int, length: int, new_tokens: int, seed: int) -> dict:
+    """`count` requests at once through `Engine.generate`: output tokens/s."""
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    batch = prompts(count, length, engine.model.config.vocab_size, seed)
+    start = time.perf_counter()
+    outputs = engine.generate(batch, params)
+    elapsed = time.perf_counter() - start
+    produced = sum(len(out.token_ids) for out in outputs)
+    return {"requests": count, "output_tokens": produced, "seconds": round(elapsed, 3),
+            "output_tokens_per_s": round(produced / elapsed, 1)}
+
+
+def plain_round(model, batch: int, rounds: int, length: int, new_tokens: int) -> dict:
+    """`rounds` calls of `generate` at `batch` rows (compiled first): output
+    tokens/s end to end, and of the decode step alone (a run of N tokens less a
+    run of 1, over N - 1)."""
+    ids = np.asarray(prompts(batch, length, model.config.vocab_size, 7))
+    run = lambda n: np.asarray(eqx_models.generate(model, ids, max_new_tokens=n, eos_token_id=[]))
+    run(new_tokens), run(1)
+    start = time.perf_counter()
+    for _ in range(rounds):
+        run(new_tokens)
+    whole = (time.perf_counter() - start) / rounds
+    start = time.perf_counter()
+    run(1)
+    first = time.perf_counter() - start
+    step = (whole - first) / (new_tokens - 1)
+    return {"batch": batch, "rounds": rounds, "output_tokens_per_s": round(batch * new_tokens / whole, 1),
+            "decode_tokens_per_s": round(batch / step, 1), "step_ms": round(step * 1e3, 3)}
+
+
+def time_per_output_token(engine: Engine, length: int, new_tokens: int) -> float:
+    """One request alone: seconds per output token after its first."""
+    ids = prompts(1, length, engine.model.config.vocab_size, 11)[0]
+    engine.add_request(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    first = None
+    while engine.has_work:
+        engine.step()
+        if first is None and engine.running and engine.running[0].output_ids:
+            first = time.perf_counter()
+    return (time.perf_counter() - first) / (new_tokens - 1)
+
+
+def mixed_traffic(engine: Engine, running: int, length: int, long_prompt: int) -> dict:
+    """`running` sequences decoding; the decode tokens/s they make before and while
+    one `long_prompt`-token prompt is prefilled."""
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(max_tokens=engine.max_model_len - length, temperature=0, ignore_eos=True)
+    for ids in prompts(running, length, vocab, 13):
+        engine.add_request(ids, params)
+    while len(engine.running) < running or any(not s.output_ids for s in engine.running):
+        engine.step()
+
+    def decoded_per_s(steps_until) -> float:
+        before = sum(len(s.output_ids) for s in engine.running[:running])
+        start = time.perf_counter()
+        steps = 0
+        while not steps_until(steps):
+            engine.step()
+            steps += 1
+        made = sum(len(s.output_ids) for s in engine.running[:running]) - before
+        return made / (time.perf_counter() - start)
+
+    decoding = decoded_per_s(lambda steps: steps >= 16)
+    done = []
+    engine.add_request(prompts(1, long_prompt, vocab, 17)[0], SamplingParams(max_tokens=1, temperature=0),
+                       on_update=lambda update: done.append(update.finish_reason is not None))
+    during = decoded_per_s(lambda steps: any(done))  # until its prompt is in and its one token out
+    for sequence in list(engine.running):
+        engine.abort(sequence.id)
+    engine.step()
+    return {"running": running, "long_prompt": long_prompt, "decode_tokens_per_s_before": round(decoding, 1),
+            "decode_tokens_per_s_during_prefill": round(during, 1), "drop": round(1 - during / decoding, 3)}
+
+
+def prefix_ttft(model, tokenizer, long_prompt: int, caching: bool, **options) -> float:
+    """Median seconds to the first token of a prompt sharing all but `SHARED_TAIL`
+    tokens with one served before it (three pairs, after one that compiles)."""
+    engine = Engine(model, tokenizer, prefix_caching=caching, **options)
+    vocab = model.config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0)
+    times = []
+    for pair in range(4):
+        earlier = prompts(1, long_prompt, vocab, 100 + pair)[0]
+        later = earlier[:-SHARED_TAIL] + prompts(1, SHARED_TAIL, vocab, 200 + pair)[0]
+        engine.generate([earlier], params)
+        start = time.perf_counter()
+        engine.generate([later], params)
+        times.append(time.perf_counter() - start)
+    return float(np.median(times[1:]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="0.6b")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers than the shape (a quick check)")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--long-prompt", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--tokenizer", type=Path, default=FIXTURES / "qwen-tokenizer")
+    parser.add_argument("--output", type=Path, default=None)
+    args = parser.parse_args()
+
+    device = jax.devices()[0]
+    model = random_model(args.shape, args.layers)
+    tokenizer = eqx_models.load_tokenizer(args.tokenizer)
+    max_model_len = args.long_prompt + args.new_tokens
+    options = dict(max_model_len=max_model_len, page_size=PAGE_SIZE,
+                   max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.concurrency)))
+    rows = []
+    for concurrency in args.concurrency:
+        row = {"max_num_seqs": concurrency}
+        try:
+            engine = Engine(model, tokenizer, max_num_seqs=concurrency, **options)
+            engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=1)  # compiles
+            row["engine"] = engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=2)
+            row["kv_pages"] = engine.allocator.num_pages
+            if concurrency == 1:
+                row["engine_seconds_per_output_token"] = round(
+                    time_per_output_token(engine, args.prompt, args.new_tokens), 6)
+            del engine
+            row["generate"] = plain_round(model, concurrency, 2, args.prompt, args.new_tokens)
+            row["engine_over_generate"] = round(
+                row["engine"]["output_tokens_per_s"] / row["generate"]["output_tokens_per_s"], 3)
+            if concurrency == 1:
+                row["alone_over_generate_step"] = round(
+                    row["engine_seconds_per_output_token"] * 1e3 / row["generate"]["step_ms"], 3)
+        except Exception as error:  # a concurrency that does not fit is a result too
+            row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        print(row, flush=True)
+        rows.append(row)
+
+    running = min(64, max(args.concurrency))
+    result = {
+        "benchmark": "tpu_serve",
+        "device": device.device_kind,
+        "platform": jax.default_backend(),
+        "jax": jax.__version__,
+        "host": platform.node(),
+        "shape": f"Qwen3-{args.shape.upper()}",
+        "layers": model.config.num_hidden_layers,
+        "dtype": "bfloat16",
+        "prompt": args.prompt,
+        "new_tokens": args.new_tokens,
+        "options": options,
+        "rows": rows,
+    }
+    try:
+        engine = Engine(model, tokenizer, max_num_seqs=running + 1, **options)
+        mixed_traffic(engine, running, args.prompt, args.long_prompt)  # compiles the shapes it meets
+        result["mixed_traffic"] = mixed_traffic(engine, running, args.prompt, args.long_prompt)
+        del engine
+    except Exception as error:
+        result["mixed_traffic"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+    print(result["mixed_traffic"], flush=True)
+    try:
+        ttft = {caching: prefix_ttft(model, tokenizer, args.long_prompt, caching, max_num_seqs=4, **options)
+                for caching in (True, False)}
+        result["prefix_caching"] = {"long_prompt": args.long_prompt, "shared": args.long_prompt - SHARED_TAIL,
+                                    "ttft_s_on": round(ttft[True], 4), "ttft_s_off": round(ttft[False], 4),
+                                    "on_over_off": round(ttft[True] / ttft[False], 3)}
+    except Exception as error:
+        result["prefix_caching"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+    print(result["prefix_caching"], flush=True)
+    write_result(result, args.output or RESULTS / "tpu_serve.json")
+
+
+if __name__ == "__main__":
+    main()
