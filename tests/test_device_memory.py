@@ -196,3 +196,19 @@ def test_memory_utilization_on_a_device_that_reports_no_memory_is_refused_with_t
         Engine(model, tokenizer, memory_utilization=0.9)
     with pytest.raises(ValueError, match=r"in \(0, 1\]; got 1.5"):
         Engine(model, tokenizer, memory_utilization=1.5)
+
+
+def test_the_memory_probe_compiles_the_largest_call_the_scheduler_can_make():
+    """By chunk length: a bucket's chunks are longer than half of it and share the
+    step's budget, so at 32 sequences and 512 tokens no call holds more than 1,024
+    (not 32 x 512)."""
+    from conftest import STORIES, require_fixture
+
+    from eqx_models.serving import Engine
+
+    path = require_fixture(STORIES)
+    model, tokenizer = eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
+    engine = Engine(model, tokenizer, max_num_seqs=32, max_num_batched_tokens=512, page_size=16, num_pages=8,
+                    ragged_steps=False)
+    rows, length = engine._largest_chunk_call()
+    assert rows * length == 1024 and rows <= 32 and length <= 512

@@ -160,3 +160,17 @@ def test_the_engines_memory_budget_holds_the_recurrent_state_pool(checkpoint):
     assert held == state_bytes + 3 * page_bytes <= budget
     with pytest.raises(ValueError, match="holds no page .* after the recurrent state of 4 \\+ 1 sequences"):
         Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=8, page_size=4, kv_cache_memory=state_bytes)
+
+
+def test_the_engine_steps_a_recurrent_state_by_chunk_length_where_the_backend_prefers_ragged_steps(
+        checkpoint, monkeypatch):
+    from conftest import STORIES, require_fixture
+    from eqx_models.backends import active_backend
+    from eqx_models.serving import Engine
+
+    model, tokenizer = checkpoint[2], eqx_models.load_tokenizer(require_fixture(STORIES))
+    monkeypatch.setattr(type(active_backend()), "prefers_ragged_steps", lambda self: True)  # as on an accelerator
+    options = dict(max_num_seqs=2, max_num_batched_tokens=8, page_size=4, num_pages=16)
+    assert not Engine(model, tokenizer, **options)._ragged
+    with pytest.raises(ValueError, match="recurrent state .* steps by chunk length"):
+        Engine(model, tokenizer, ragged_steps=True, **options)

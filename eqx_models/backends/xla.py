@@ -325,7 +325,9 @@ def _finished(state: tuple, sinks: Array) -> Array:
     sink = sinks[None, :, :, None]
     new_top = jnp.maximum(top, sink)
     rescale = jnp.exp(top - new_top)
-    return out * rescale[..., None] / (total * rescale + jnp.exp(sink - new_top))[..., None]
+    # A query that met no key (padding, with no sink) has nothing to divide: 0, not NaN.
+    total = jnp.maximum(total * rescale + jnp.exp(sink - new_top), jnp.finfo(jnp.float32).tiny)
+    return out * rescale[..., None] / total[..., None]
 
 
 def _page_rows(take, pool: Array, scales: Array, layer: Array, pages: Array) -> Array:

@@ -9,8 +9,8 @@ attending to its own pages, nothing padded to the longest chunk); elsewhere, and
 for a family with a recurrent state, one call per chunk-length bucket and one
 for the decodes. A step of decodes alone is one call of one token per row
 (`PagedKVCache`, the decode kernel's shape). Shapes are bucketed (powers of two
-for the token count, the batch and the block-table width), so the number of
-compilations is bounded whatever the traffic.
+for the token count, up to the step's budget, the batch and the block-table
+width), so the number of compilations is bounded whatever the traffic.
 """
 
 import collections
@@ -227,10 +227,11 @@ class Engine:
         # A step's prompt chunks and decodes run as one ragged call where the
         # backend prefers it; a recurrent state (updated token by token per row)
         # keeps the calls by chunk length.
-        ragged_steps = active_backend().prefers_ragged_steps() if ragged_steps is None else ragged_steps
         if ragged_steps and self._has_state:
-            raise ValueError("ragged_steps: a model with a recurrent state (Qwen3-Next) steps by chunk length; "
-                             "leave ragged_steps unset.")
+            raise ValueError("ragged_steps=True: a model with a recurrent state (Qwen3-Next) steps by chunk length; "
+                             "leave ragged_steps unset or False.")
+        if ragged_steps is None:
+            ragged_steps = active_backend().prefers_ragged_steps() and not self._has_state
         self._ragged = ragged_steps
         state_bytes = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(state_shape))
         if sum(size is not None for size in (num_pages, kv_cache_memory, memory_utilization)) > 1:
@@ -323,17 +324,18 @@ class Engine:
     def _pages_in_memory(self, reported, utilization: float, static, page_bytes: int, state_bytes: int) -> int:
         """The pages that fit in `utilization` of the device's memory, after what it
         holds now and the temporaries of the largest step (measured on its
-        compiled program, with a pool of one sequence's pages); refuses a pool that
-        cannot hold one sequence of `max_model_len` tokens."""
+        compiled program, with a pool of just over one sequence's pages); refuses a
+        pool that cannot hold one sequence of `max_model_len` tokens."""
         available, limit, device = reported
         in_use = limit - available
         pools = jax.eval_shape(lambda: self._empty_pools(self.pages_per_seq + 1))
         width = min(self.pages_per_seq, _bucket(self.pages_per_seq))
-        batch = _bucket(self.max_num_seqs)
         if self._ragged:
-            inputs = self._ragged_inputs([], batch, width, [], tokens=self.max_num_batched_tokens)
+            inputs = self._ragged_inputs([], _bucket(self.max_num_seqs), width, [],
+                                         tokens=_round_up(self.max_num_batched_tokens, QUERY_BLOCK) + 2 * QUERY_BLOCK)
         else:
-            inputs = self._inputs([], batch, width, [self.max_num_batched_tokens])
+            rows, length = self._largest_chunk_call()
+            inputs = self._inputs([], rows, width, [length])
         probe = jax.jit(self._make_forward(static, collections.Counter()), donate_argnums=1,
                         static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"))
         compiled = probe.lower(self._params, pools, inputs, sampled=True, filters=True, masked=False, logprobs=True,
@@ -590,6 +592,20 @@ class Engine:
             updates.append(update)
 
     # -------------------------------------------------------------- model calls
+
+    def _largest_chunk_call(self) -> tuple[int, int]:
+        """The rows and chunk length (buckets) of the largest call by chunk length the
+        scheduler can make: chunks of one bucket are longer than half of it, and a
+        step's chunks hold at most `max_num_batched_tokens` tokens."""
+        calls = []
+        length = MIN_CHUNK_BUCKET
+        while length <= _bucket(self.max_num_batched_tokens, MIN_CHUNK_BUCKET):
+            shortest = 2 if length == MIN_CHUNK_BUCKET else length // 2 + 1
+            rows = _bucket(max(1, min(self.max_num_seqs, self.max_num_batched_tokens // shortest)))
+            calls.append((rows * length, rows, length))
+            length *= 2
+        _, rows, length = max(calls)
+        return rows, length
 
     def _make_forward(self, static, counts: collections.Counter):
         def forward(params, pools, batch, *, sampled: bool, filters: bool, masked: bool, logprobs: bool,

@@ -207,6 +207,8 @@ class Scheduler:
                 if sequence not in self.running:  # stays waiting: its cached pages go back
                     self._give_back_pages(sequence)
                 break
+            if length < sequence.uncached and length > self.chunk_granularity:
+                length -= length % self.chunk_granularity  # cut short: whole blocks, no padding
             self._pages_for(sequence, sequence.cached + length)
             if sequence not in self.running:
                 self.waiting.popleft()
