@@ -161,7 +161,8 @@ class Engine:
         ragged_steps: run a step's prompt chunks and decodes as one ragged batch
             (True) or one call per chunk length and one for the decodes (False);
             default: the backend's choice (ragged on accelerators, not yet on
-            the CPU). Not for a model with a recurrent state.
+            the CPU), and by chunk length for a model with a recurrent state
+            (which refuses True).
         seed: seeds the requests that do not bring their own.
 
     A failure while serving one request ends that request alone (finish_reason
