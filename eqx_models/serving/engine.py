@@ -58,6 +58,16 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _row_arrays(batch: int, width: int) -> dict[str, np.ndarray]:
+    """The per-row host arrays every call takes, for padding rows: block tables,
+    cached counts and the sampling settings."""
+    return dict(
+        tables=np.zeros((batch, width), np.int32), positions=np.zeros(batch, np.int32),
+        seeds=np.zeros(batch, np.int32), counters=np.zeros(batch, np.int32),
+        temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
+    )
+
+
 @dataclasses.dataclass
 class TokenLogprobs:
     """The chosen token's log-probability and the most likely alternatives."""
@@ -243,10 +253,7 @@ class Engine:
         self.trace_counts: collections.Counter = collections.Counter()
         params, static = eqx.partition(model, eqx.is_array)
         self._params = params
-        self._forward = jax.jit(
-            self._make_forward(static, self.trace_counts), donate_argnums=1,
-            static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"),
-        )
+        self._forward = self._jitted_forward(static, self.trace_counts)
         self.kv_cache_dtype = kv_cache_dtype
         self._layout = layout
         if num_pages is None and kv_cache_memory is None:
@@ -337,8 +344,7 @@ class Engine:
         else:
             rows, length = self._largest_chunk_call()
             inputs = self._inputs([], rows, width, [length])
-        probe = jax.jit(self._make_forward(static, collections.Counter()), donate_argnums=1,
-                        static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"))
+        probe = self._jitted_forward(static, collections.Counter())
         compiled = probe.lower(self._params, pools, inputs, sampled=True, filters=True, masked=False, logprobs=True,
                                all_logits=True).compile()
         step = compiled.memory_analysis().temp_size_in_bytes
@@ -608,6 +614,11 @@ class Engine:
         _, rows, length = max(calls)
         return rows, length
 
+    def _jitted_forward(self, static, counts: collections.Counter):
+        """The step, jitted with the pools donated (`counts` counts its traces)."""
+        return jax.jit(self._make_forward(static, counts), donate_argnums=1,
+                       static_argnames=("sampled", "filters", "masked", "logprobs", "all_logits"))
+
     def _make_forward(self, static, counts: collections.Counter):
         def forward(params, pools, batch, *, sampled: bool, filters: bool, masked: bool, logprobs: bool,
                     all_logits: bool):
@@ -649,20 +660,11 @@ class Engine:
         cache. A row that cannot be filled in fails its request and stays padding."""
         seq = max(MIN_CHUNK_BUCKET, _bucket(max(lengths))) if max(lengths) > 1 else 1
         inputs = dict(
-            ids=np.zeros((batch, seq), np.int32), mask=np.zeros((batch, seq), np.int32),
-            targets=np.zeros((batch, seq), np.int32), tables=np.zeros((batch, width), np.int32),
-            positions=np.zeros(batch, np.int32),
+            _row_arrays(batch, width), ids=np.zeros((batch, seq), np.int32), mask=np.zeros((batch, seq), np.int32),
+            targets=np.zeros((batch, seq), np.int32),
             state_slots=np.full(batch, self.max_num_seqs, np.int32),  # the scratch slot
-            seeds=np.zeros(batch, np.int32), counters=np.zeros(batch, np.int32),
-            temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
         )
-        for i, (sequence, length) in enumerate(zip(rows, lengths)):
-            try:
-                self._fill_row(inputs, i, sequence, length, width)
-            except Exception as error:
-                self._fail(sequence, error)
-                self._blank_row(inputs, i)
-        return inputs
+        return self._filled(inputs, rows, lengths, width, [None] * len(rows))
 
     def _ragged_inputs(
         self, rows: list[_Sequence], batch: int, width: int, lengths: list[int], tokens: int = 0,
@@ -683,15 +685,18 @@ class Engine:
         tokens = max(end, min(_bucket(max(end, tokens), MIN_CHUNK_BUCKET),
                               _round_up(self.max_num_batched_tokens, QUERY_BLOCK) + 2 * QUERY_BLOCK))
         inputs = dict(
-            ids=np.zeros((1, tokens), np.int32), mask=np.zeros((1, tokens), np.int32),
-            targets=np.zeros((1, tokens), np.int32), logits_at=np.zeros((1, batch), np.int32),
-            query_starts=starts, tables=np.zeros((batch, width), np.int32), positions=np.zeros(batch, np.int32),
-            seeds=np.zeros(batch, np.int32), counters=np.zeros(batch, np.int32),
-            temperature=np.zeros(batch, np.float32), top_k=np.zeros(batch, np.int32), top_p=np.ones(batch, np.float32),
+            _row_arrays(batch, width), ids=np.zeros((1, tokens), np.int32), mask=np.zeros((1, tokens), np.int32),
+            targets=np.zeros((1, tokens), np.int32), logits_at=np.zeros((1, batch), np.int32), query_starts=starts,
         )
-        for i, (sequence, length) in enumerate(zip(rows, lengths)):
+        return self._filled(inputs, rows, lengths, width, [int(start) for start in starts[: len(rows)]])
+
+    def _filled(self, inputs: dict[str, np.ndarray], rows: list[_Sequence], lengths: list[int], width: int,
+                starts: list[int | None]) -> dict[str, np.ndarray]:
+        """`inputs` with each row's tokens filled in (`_fill_row`); a row that cannot
+        be fails its request and becomes padding."""
+        for i, (sequence, length, start) in enumerate(zip(rows, lengths, starts)):
             try:
-                self._fill_row(inputs, i, sequence, length, width, start=int(starts[i]))
+                self._fill_row(inputs, i, sequence, length, width, start=start)
             except Exception as error:
                 self._fail(sequence, error)
                 self._blank_row(inputs, i)
