@@ -234,7 +234,8 @@ def ragged_paged_attention(
         `per_step` table columns at a time."""
         tables, (width, page_size) = block_tables[q_rows], (block_tables.shape[1], key_pool.shape[3])
         per_step = max(1, min(width, KEY_SLOTS // page_size))
-        side_by_side = lambda pages: pages.transpose(0, 1, 3, 2, 4).reshape(len(q), -1, *pages.shape[2:3], pages.shape[-1])
+        # [n, pages, kv, page_size, d] -> [n, pages * page_size, kv, d]
+        side_by_side = lambda pages: pages.transpose(0, 1, 3, 2, 4).reshape(len(q), -1, kv_heads, pages.shape[-1])
 
         def columns(j, state):
             # Columns past the table repeat its last (their slots are past every row's tokens).
@@ -246,7 +247,7 @@ def ragged_paged_attention(
             seen &= q_positions[:, :, None] - slots[None, None] < tokens.window
             return _online(state, scored(q, keys, seen), values)
 
-        steps = -(-jnp.max(jnp.where(jnp.any(seen_rows, axis=1), cached, 0)) // (per_step * page_size))
+        steps = _ceil_div(jnp.max(jnp.where(jnp.any(seen_rows, axis=1), cached, 0)), per_step * page_size)
         return jax.lax.fori_loop(0, steps, columns, state)
 
     # Rows of several tokens, block by block.
@@ -263,16 +264,16 @@ def ragged_paged_attention(
     def new_blocks(step, state):  # the new tokens of the blocks `offsets` before each
         offsets = step * per_step + jnp.arange(per_step)
         source = jnp.arange(blocks)[:, None] - offsets[None]  # [blocks, per_step]
-        inside = jnp.where(source >= 0, 1, 0)
+        inside = source >= 0
         source = jnp.maximum(source, 0)
-        key_rows = jnp.where(inside[..., None] > 0, block_rows[source], -1).reshape(blocks, -1)
+        key_rows = jnp.where(inside[..., None], block_rows[source], -1).reshape(blocks, -1)
         before = block_positions[:, :, None] - block_positions[source].reshape(blocks, -1)[:, None, :]
         seen = chunk[:, :, None] & (block_rows[:, :, None] == key_rows[:, None, :]) & (before >= 0)
         seen &= before < tokens.window
         return _online(state, scored(q_blocks, flat(shaped(new_keys)[source]), seen), flat(shaped(new_values)[source]))
 
     longest = jnp.max(jnp.where(lengths > 1, lengths, 0))
-    steps = -(-(-(-longest // QUERY_BLOCK)) // per_step)  # the blocks a chunk spans, per_step at a time
+    steps = _ceil_div(_ceil_div(longest, QUERY_BLOCK), per_step)  # the blocks a chunk spans, per_step a step
     state = jax.lax.fori_loop(0, steps, new_blocks, state)
     block_cached = tokens.cached[jnp.maximum(block_row, 0)]
     state = page_columns(q_blocks, jnp.maximum(block_row, 0), block_positions, chunk, block_cached, state)
@@ -297,6 +298,10 @@ def ragged_paged_attention(
                              tokens.cached, state)
         decoded = _finished(state, sinks)[:, :, :, 0]
     return jnp.where(single[:, None, None, None], decoded[row], out)
+
+
+def _ceil_div(count: Array, size: int) -> Array:
+    return (count + size - 1) // size
 
 
 _LOWEST = float(jnp.finfo(jnp.float32).min)  # finite: a query that sees nothing averages junk, never NaN
