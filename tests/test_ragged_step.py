@@ -137,3 +137,17 @@ def test_the_op_equals_masked_attention_over_each_rows_gathered_pages(softcap, k
         want = xla.masked_attention(q, keys, [k[..., :value_dim] for k in keys], seen, 0.3, softcap, sinks)
         np.testing.assert_allclose(got[span], want[0].transpose(2, 0, 1, 3), atol=1e-5, rtol=0)
     assert not np.isnan(np.asarray(got)).any()  # padding tokens average, never NaN
+
+
+def test_a_batch_of_one_token_rows_leaves_its_padding_at_zero_not_nan():
+    """No row of several tokens: no block step runs, and the padding queries, which
+    meet no key, come out 0 (the one-token rows as decode steps)."""
+    rng = np.random.default_rng(4)
+    key_pool = jnp.asarray(rng.normal(size=(1, 4, 2, PAGE_SIZE, 8)), jnp.float32)
+    tables = jnp.asarray([[0, 1], [2, 3]], jnp.int32)
+    real = jnp.asarray((np.arange(16) < 2).astype(np.int32))
+    tokens = ragged_tokens(jnp.asarray([3, 5], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32), 16, real=real)
+    normal = lambda *shape: jnp.asarray(rng.normal(size=shape), jnp.float32)
+    got = np.asarray(ops.ragged_paged_attention(normal(16, 2, 2, 8), normal(16, 2, 8), normal(16, 2, 8), key_pool,
+                                                key_pool, jnp.int32(0), tables, tokens, 0.35))
+    assert not np.isnan(got).any() and not got[2:].any()

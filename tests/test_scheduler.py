@@ -186,3 +186,23 @@ def test_the_allocator_counts_references():
         pool.release(pages[:1])
     assert pool.allocate(4) is None and pool.free == 3
     assert len(pool.allocate(3)) == 3 and pool.match([b"k"]) == []  # evicted to make room
+
+
+def test_chunks_are_charged_in_whole_blocks_and_one_cut_short_ends_on_one():
+    """With a chunk granularity (the engine's ragged steps: 16), a 10-token prompt
+    costs 16 of the budget, and a prompt the rest of the budget cannot hold is cut
+    to whole blocks; decodes and one-token chunks cost one each."""
+    s = scheduler(max_num_batched_tokens=64, num_pages=64, chunk_granularity=16, prefix_caching=False)
+    a, b = sequence("a", range(10)), sequence("b", range(100, 160))
+    s.add(a), s.add(b)
+    plan = s.schedule()
+    # a: 10 tokens for 16; b: the 48 left would hold 48, a whole number of blocks.
+    assert [(seq.id, n) for seq, n in plan.prefill] == [("a", 10), ("b", 48)]
+    run(s, plan)
+    plan = s.schedule()  # a decodes (1): b's last 12 tokens in the 63 left
+    assert plan.decode == [a] and [(seq.id, n) for seq, n in plan.prefill] == [("b", 12)]
+    c = sequence("c", range(200, 280))
+    s.add(c)
+    run(s, plan)
+    plan = s.schedule()  # a and b decode (2): of c's 80, the 62 left, cut to whole blocks: 48
+    assert [(seq.id, n) for seq, n in plan.prefill] == [("c", 48)]
