@@ -1,13 +1,15 @@
 """The TPU backend's Pallas kernels against the reference ops, run by Pallas'
 interpreter (on the CPU, in CI); on the chip itself `benchmarks/tpu_check.py`."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from eqx_models.backends import xla
-from eqx_models.backends.tpu import attention, experts, splash
+from eqx_models.backends.tpu import attention, experts, quantized, splash
+from eqx_models.quantized import quantize_weight
 
 
 def _case(rng, layers, batch, kv_heads, groups, kv_seq, head_dim, dtype, starts, ends):
@@ -118,6 +120,101 @@ def test_grouped_matmul_gradients_equal_the_references():
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
     assert not np.asarray(got[1])[0].any()  # the other layer's experts get no gradient
+
+
+def _int8_stacks(rng, dtype, activations, layers=3, outs=(384, 256), inner=512):
+    return tuple(
+        quantize_weight(jnp.asarray(rng.standard_normal((layers, out, inner)) * 0.05, dtype), 8, 128,
+                        scale_dtype=jnp.bfloat16, activations=activations)
+        for out in outs
+    )
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("activations", ["float", "int8"])
+@pytest.mark.parametrize("rows", [(1,), (2, 5), (300,)])  # a decode row, a small batch, more than one row tile
+def test_int8_product_reads_the_layer_and_equals_the_reference(dtype, activations, rows):
+    rng = np.random.default_rng(len(rows) + rows[0])
+    stacks = _int8_stacks(rng, dtype, activations)
+    # A bfloat16 model's activations are bfloat16 values (the kernel multiplies them as such).
+    x = jnp.asarray(rng.standard_normal((*rows, 512)), dtype).astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got = quantized.quantized_matvecs(x, stacks, jnp.int32(1), interpret=True)
+        want = xla.quantized_matvecs(x, stacks, jnp.int32(1))
+    for g, w, stack in zip(got, want, stacks):
+        assert g.shape == w.shape == (*rows, stack.shape[-2]) and g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
+
+
+def test_int8_product_gradients_equal_the_references():
+    rng = np.random.default_rng(3)
+    stacks = _int8_stacks(rng, jnp.float32, "float")
+    x = jnp.asarray(rng.standard_normal((4, 512)), jnp.float32)
+    cotangents = [jnp.asarray(rng.standard_normal((4, s.shape[-2])), jnp.float32) for s in stacks]
+
+    def loss(product):
+        def run(x, scales):
+            swapped = tuple(eqx.tree_at(lambda s: s.scales, stack, new) for stack, new in zip(stacks, scales))
+            return sum(jnp.sum(y * c) for y, c in zip(product(x, swapped, jnp.int32(2)), cotangents))
+        return run
+
+    kernel = lambda *args: quantized.quantized_matvecs(*args, interpret=True)
+    scales = tuple(s.scales for s in stacks)
+    got = jax.grad(loss(kernel), argnums=(0, 1))(x, scales)
+    want = jax.grad(loss(xla.quantized_matvecs), argnums=(0, 1))(x, scales)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), atol=1e-5, rtol=1e-5)
+
+
+def test_int8_formats_the_kernel_does_not_take_keep_the_reference():
+    weight = jnp.asarray(np.random.default_rng(0).standard_normal((2, 256, 512)), jnp.float32)
+    assert quantized.fits(quantize_weight(weight, 8, 128))
+    assert not quantized.fits(quantize_weight(weight, 8, 32))  # groups narrower than the lanes
+    assert not quantized.fits(quantize_weight(weight, 4, 128))  # int4
+    assert not quantized.fits(quantize_weight(weight[:, :200], 8, 128))  # outputs not whole lanes
+    assert not quantized.fits(weight)
+
+
+@pytest.mark.parametrize("out, inner, tile", [(1024, 2560, 1024), (9728, 2560, 512), (2560, 9728, 256),
+                                             (151936, 2560, 128)])
+def test_int8_output_tiles_divide_the_outputs_within_the_block_budget(out, inner, tile):
+    assert quantized.out_tile(out, inner) == tile
+    assert out % tile == 0 and tile % 128 == 0
+
+
+def test_an_int8_model_on_the_tpu_backend_decodes_as_on_the_cpu(checkpoint_factory, monkeypatch):
+    """The TPU backend's choices with its int8 kernel run by the interpreter: a
+    Qwen3 quantized in groups of 128 gives the CPU's logits and greedy tokens, and
+    its decode products really went through the kernel."""
+    from conftest import release_compiled_code
+
+    import eqx_models
+    from eqx_models.backends.tpu import Tpu
+
+    folder, _ = checkpoint_factory("qwen3", hidden_size=128, intermediate_size=256, num_attention_heads=2,
+                                   num_key_value_heads=2, head_dim=64)
+    model = eqx_models.quantize(eqx_models.from_pretrained(folder), 8, group_size=128, activations="float")
+    ids = np.random.default_rng(6).integers(0, model.config.vocab_size, (2, 12))
+    want_logits, _ = model(ids)
+    want_tokens = eqx_models.generate(model, ids, max_new_tokens=6, eos_token_id=[])
+    calls = []
+
+    def through_kernel(x, stacks, layer):
+        assert all(quantized.fits(stack) for stack in stacks)
+        calls.append(x.shape)
+        return quantized.quantized_matvecs(x, stacks, layer, interpret=True)
+
+    release_compiled_code()
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(Tpu, "quantized_matvecs", staticmethod(through_kernel))
+    try:
+        logits, _ = model(ids)
+        tokens = eqx_models.generate(model, ids, max_new_tokens=6, eos_token_id=[])
+    finally:
+        release_compiled_code()
+    assert calls  # the products really went through the kernel
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(want_logits), atol=1e-4, rtol=0)
+    np.testing.assert_array_equal(np.asarray(tokens), np.asarray(want_tokens))
 
 
 def _prompt(rng, batch, kv_heads, groups, seq, head_dim, dtype):

@@ -5,8 +5,12 @@
 - the experts' grouped product (`experts.py`): megablox `gmm` over the layer's
   used experts, read in place;
 - the new tokens' attention to each other (`splash.py`): splash attention over
-  the blocks its causal or sliding-window mask keeps.
+  the blocks its causal or sliding-window mask keeps;
+- a few rows times a layer of int8 weights (`quantized.py`): the integers read
+  in place and widened in VMEM, never a float copy of the layer.
 """
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +19,11 @@ from jaxtyping import Array
 from .. import xla
 from ..base import Backend
 from ..generic import index_layer, take_rows
-from . import attention, experts, splash
+from . import attention, experts, quantized, splash
+
+# Rows (tokens) up to which int8 products go through the kernel: a prompt's
+# many rows reuse each weight, and XLA's one dequantized copy a layer pays there.
+MAX_QUANTIZED_KERNEL_ROWS = 1024
 
 
 def _decode_attention(query, key_stack, value_stack, layer, valid, self_valid, new_key, new_value, sinks, key_scales,
@@ -36,6 +44,13 @@ def _grouped_matmul(rows, stack, layer, group_sizes):
                                       default=xla.grouped_matmul)
 
 
+def _quantized_matvecs(x, stacks, layer):
+    if not all(quantized.fits(stack) for stack in stacks):
+        return xla.quantized_matvecs(x, stacks, layer)
+    return jax.lax.platform_dependent(x, stacks, layer, tpu=quantized.quantized_matvecs,
+                                      default=xla.quantized_matvecs)
+
+
 def _causal_attention(query, keys, values, attention_mask, segment_ids, window, scale, softcap, sinks):
     reference = lambda q, k, v, m, s: xla.causal_attention(q, k, v, m, s, window, scale, softcap, sinks)
     if not splash.fits(query, keys, values, window, sinks):
@@ -51,7 +66,9 @@ class Tpu(Backend):
     name = "tpu"
 
     def reads_layers_in_place(self, x: Array, stack) -> bool:
-        return False
+        # Float layers: XLA's matmul reads a scanned layer in place already.
+        rows = math.prod(x.shape[:-1])
+        return quantized.fits(stack) and rows <= MAX_QUANTIZED_KERNEL_ROWS
 
     def headwise_in_place(self, rows: int, stack: Array) -> bool:
         return False
@@ -82,7 +99,7 @@ class Tpu(Backend):
         return True  # one call a step: the chip never waits on a second launch, nothing padded
 
     stacked_matvecs = staticmethod(xla.stacked_matvecs)
-    quantized_matvecs = staticmethod(xla.quantized_matvecs)
+    quantized_matvecs = staticmethod(_quantized_matvecs)
     masked_attention = staticmethod(xla.masked_attention)
     causal_attention = staticmethod(_causal_attention)
     grouped_matmul = staticmethod(_grouped_matmul)
