@@ -1,5 +1,6 @@
 """Correctness on the accelerator, in one command: the TPU backend's kernels (decode
-attention, the experts' grouped product, splash attention over prompts) against the reference ops on the chip, greedy tokens of a float32 model on the chip
+attention, the experts' grouped product, splash attention over prompts, the int8
+layer product) against the reference ops on the chip, greedy tokens of a float32 model on the chip
 against the same model on the host's CPU, and logits against `transformers`
 (float32 at `jax.default_matmul_precision("highest")`, and bfloat16), and the
 serving engine's ragged steps against its steps by chunk length and `generate`.
@@ -24,7 +25,8 @@ import numpy as np
 
 import eqx_models
 from eqx_models.backends import active_backend, xla
-from eqx_models.backends.tpu import attention, experts, splash
+from eqx_models.backends.tpu import attention, experts, quantized, splash
+from eqx_models.quantized import quantize_weight
 
 from tpu_decode import RESULTS
 
@@ -74,13 +76,48 @@ def check_grouped_kernel() -> list[dict]:
             x = jnp.asarray(rng.standard_normal((count, 2048)), dtype)
             sizes = np.bincount(rng.integers(0, 128, count - count // 16), minlength=128)  # a 16th past the groups
             group_sizes = jnp.asarray(sizes, jnp.int32)
-            with jax.default_matmul_precision("highest"):
+            # A 16-bit product is exact at any precision: bfloat16 runs at the default
+            # (under `highest` Mosaic refuses megablox's bfloat16 dot; the row below).
+            with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
                 got = np.asarray(jax.jit(experts.grouped_matmul)(x, stack, jnp.int32(1), group_sizes))
                 want = np.asarray(jax.jit(xla.grouped_matmul)(x, stack, jnp.int32(1), group_sizes))
             error = float(np.abs(got - want).max())
             limit = 1e-4 if dtype == jnp.float32 else 2e-2
             rows.append({"check": "grouped_matmul", "dtype": jnp.dtype(dtype).name, "rows": count,
                          "max_abs_error": error, "ok": error < limit and not got[int(sizes.sum()):].any()})
+    return rows
+
+
+def check_grouped_kernel_under_highest() -> list[dict]:
+    """Whether a bfloat16 grouped product compiles under `highest` (a bfloat16 MoE
+    model run there by a user)."""
+    stack = jnp.zeros((2, 4, 256, 256), jnp.bfloat16)
+    x = jnp.ones((32, 256), jnp.bfloat16)
+    with jax.default_matmul_precision("highest"):
+        got = jax.jit(experts.grouped_matmul)(x, stack, jnp.int32(1), jnp.asarray([8, 8, 8, 0], jnp.int32))
+    return [{"check": "grouped_matmul bfloat16 under highest", "ok": not np.asarray(got).any()}]
+
+
+def check_quantized_kernel() -> list[dict]:
+    """The int8 layer product against XLA's dequantize-then-multiply, at Qwen3-4B's
+    gate and down shapes, a decode row, a batch and a prompt's rows."""
+    rows = []
+    rng = np.random.default_rng(3)
+    for dtype, activations in [(jnp.bfloat16, "float"), (jnp.float32, "int8")]:
+        for out, inner in [(9728, 2560), (2560, 9728)]:
+            weight = jnp.asarray(rng.standard_normal((2, out, inner)) * 0.02, dtype)
+            stack = quantize_weight(weight, 8, 128, scale_dtype=jnp.bfloat16, activations=activations)
+            for count in (1, 64, 512):
+                x = jnp.asarray(rng.standard_normal((count, inner)), dtype).astype(jnp.float32)
+                # The reference multiplies float32 weights: at `highest`, or the chip rounds them to bfloat16.
+                with jax.default_matmul_precision("highest" if dtype == jnp.float32 else "default"):
+                    got = np.asarray(jax.jit(quantized.quantized_matvecs)(x, (stack,), jnp.int32(1))[0])
+                with jax.default_matmul_precision("highest"):
+                    want = np.asarray(jax.jit(xla.quantized_matvecs)(x, (stack,), jnp.int32(1))[0])
+                error = float(np.abs(got - want).max())
+                rows.append({"check": "quantized_matvecs", "dtype": jnp.dtype(dtype).name, "activations": activations,
+                             "shape": [out, inner], "rows": count, "max_abs_error": error,
+                             "ok": error < 1e-3 * max(1.0, float(np.abs(want).max()))})
     return rows
 
 
@@ -201,7 +238,8 @@ def main() -> int:
     def check_tokens() -> list[dict]:
         return [check_tokens_against_the_cpu()]
 
-    checks = [check_attention_kernel, check_grouped_kernel, check_splash_kernel] if on_chip else []
+    checks = [check_attention_kernel, check_grouped_kernel, check_splash_kernel, check_quantized_kernel,
+              check_grouped_kernel_under_highest] if on_chip else []
     checks += [check_tokens, check_engine_steps, check_against_transformers]
     rows = []
     for check in checks:  # a check that raises is a failed row; it must not discard the others' rows

@@ -14,20 +14,27 @@ Then, at `max_num_seqs` 64 (or the largest concurrency):
 - prefix caching: the time to first token of a `--long-prompt`-token prompt that
   shares all but its last 64 tokens with an earlier one, caching on and off.
 
+Each case (a concurrency, mixed traffic, prefix caching) runs in a fresh process:
+an engine sizes its page pool from the chip's free memory, and in one process an
+earlier engine's pool was still held after it was dropped (about 13 GB; issue 38).
 Writes `tpu_serve.json` to `benchmarks/results/` (or `$EQX_TPU_RESULTS`).
 
     python benchmarks/tpu_serve.py [--shape 0.6b] [--concurrency 1 64 256] [--prompt 128] [--new-tokens 128]
 """
 
 import argparse
+import gc
+import json
 import os
 import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import jax
 import numpy as np
-from tpu_decode import RESULTS, random_model, write_result
+from tpu_decode import RESULTS, SHAPES, random_model, write_result
 
 import eqx_models
 from eqx_models.serving import Engine, SamplingParams
@@ -35,6 +42,12 @@ from eqx_models.serving import Engine, SamplingParams
 FIXTURES = Path(os.environ.get("EQX_MODELS_FIXTURES", Path(__file__).resolve().parents[2] / "shared" / "fixtures"))
 PAGE_SIZE = 16
 SHARED_TAIL = 64  # tokens of the prefix-caching prompt not shared with the earlier one
+
+
+def in_use(device) -> int | None:
+    """Bytes the device holds now (None where it does not say)."""
+    stats = device.memory_stats() or {}
+    return stats.get("bytes_in_use")
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -134,6 +147,62 @@ def prefix_ttft(model, tokenizer, long_prompt: int, caching: bool, **options) ->
     return float(np.median(times[1:]))
 
 
+def concurrency_row(model, tokenizer, concurrency: int, args, options: dict) -> dict:
+    """The engine at `max_num_seqs=concurrency` beside plain `generate` at that batch."""
+    row = {"max_num_seqs": concurrency}
+    engine = Engine(model, tokenizer, max_num_seqs=concurrency, **options)
+    engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=1)  # compiles
+    row["engine"] = engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=2)
+    row["kv_pages"] = engine.allocator.num_pages
+    if concurrency == 1:
+        row["engine_seconds_per_output_token"] = round(time_per_output_token(engine, args.prompt, args.new_tokens), 6)
+    del engine
+    gc.collect()
+    row["device_bytes_in_use_after"] = in_use(jax.devices()[0])  # the pool should be gone by now
+    row["generate"] = plain_round(model, concurrency, 2, args.prompt, args.new_tokens)
+    row["engine_over_generate"] = round(row["engine"]["output_tokens_per_s"] / row["generate"]["output_tokens_per_s"], 3)
+    if concurrency == 1:
+        row["alone_over_generate_step"] = round(
+            row["engine_seconds_per_output_token"] * 1e3 / row["generate"]["step_ms"], 3)
+    return row
+
+
+def run_case(case: str, args) -> dict:
+    """One case in this process: a concurrency (a number), "mixed" or "prefix"."""
+    model = random_model(args.shape, args.layers)
+    tokenizer = eqx_models.load_tokenizer(args.tokenizer)
+    options = serving_options(args)
+    if case.isdigit():
+        return concurrency_row(model, tokenizer, int(case), args, options)
+    if case == "mixed":
+        running = min(64, max(args.concurrency))
+        engine = Engine(model, tokenizer, max_num_seqs=running + 1, **options)
+        mixed_traffic(engine, running, args.prompt, args.long_prompt)  # compiles the shapes it meets
+        return mixed_traffic(engine, running, args.prompt, args.long_prompt)
+    ttft = {caching: prefix_ttft(model, tokenizer, args.long_prompt, caching, max_num_seqs=4, **options)
+            for caching in (True, False)}
+    return {"long_prompt": args.long_prompt, "shared": args.long_prompt - SHARED_TAIL,
+            "ttft_s_on": round(ttft[True], 4), "ttft_s_off": round(ttft[False], 4),
+            "on_over_off": round(ttft[True] / ttft[False], 3)}
+
+
+def serving_options(args) -> dict:
+    return dict(max_model_len=args.long_prompt + args.new_tokens, page_size=PAGE_SIZE,
+                max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.concurrency)))
+
+
+def in_a_process(case: str) -> dict:
+    """`case` run by a fresh process of this script: each engine sizes its page pool
+    from the chip's memory, which no earlier case's arrays may hold, and only one
+    process holds the chip at a time."""
+    done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--case", case], capture_output=True, text=True)
+    sys.stderr.write(done.stderr[-2000:])
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}"}
+    return json.loads(lines[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="0.6b")
@@ -145,69 +214,39 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--tokenizer", type=Path, default=FIXTURES / "qwen-tokenizer")
     parser.add_argument("--output", type=Path, default=None)
+    parser.add_argument("--case", default=None, help=argparse.SUPPRESS)  # set by the parent process
     args = parser.parse_args()
 
-    device = jax.devices()[0]
-    model = random_model(args.shape, args.layers)
-    tokenizer = eqx_models.load_tokenizer(args.tokenizer)
-    max_model_len = args.long_prompt + args.new_tokens
-    options = dict(max_model_len=max_model_len, page_size=PAGE_SIZE,
-                   max_num_batched_tokens=max(args.max_num_batched_tokens, max(args.concurrency)))
+    if args.case is not None:
+        try:
+            found = run_case(args.case, args)
+        except Exception as error:  # a configuration that does not fit is a result too
+            found = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
+        print(json.dumps(found), flush=True)
+        return
+
     rows = []
     for concurrency in args.concurrency:
-        row = {"max_num_seqs": concurrency}
-        try:
-            engine = Engine(model, tokenizer, max_num_seqs=concurrency, **options)
-            engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=1)  # compiles
-            row["engine"] = engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=2)
-            row["kv_pages"] = engine.allocator.num_pages
-            if concurrency == 1:
-                row["engine_seconds_per_output_token"] = round(
-                    time_per_output_token(engine, args.prompt, args.new_tokens), 6)
-            del engine
-            row["generate"] = plain_round(model, concurrency, 2, args.prompt, args.new_tokens)
-            row["engine_over_generate"] = round(
-                row["engine"]["output_tokens_per_s"] / row["generate"]["output_tokens_per_s"], 3)
-            if concurrency == 1:
-                row["alone_over_generate_step"] = round(
-                    row["engine_seconds_per_output_token"] * 1e3 / row["generate"]["step_ms"], 3)
-        except Exception as error:  # a concurrency that does not fit is a result too
-            row["error"] = f"{type(error).__name__}: {str(error)[:400]}"
+        row = {"max_num_seqs": concurrency, **in_a_process(str(concurrency))}
         print(row, flush=True)
         rows.append(row)
-
-    running = min(64, max(args.concurrency))
     result = {
         "benchmark": "tpu_serve",
-        "device": device.device_kind,
+        "device": jax.devices()[0].device_kind,  # after the cases: the chip is this process's from here
         "platform": jax.default_backend(),
         "jax": jax.__version__,
         "host": platform.node(),
         "shape": f"Qwen3-{args.shape.upper()}",
-        "layers": model.config.num_hidden_layers,
+        "layers": args.layers or SHAPES[args.shape]["num_hidden_layers"],
         "dtype": "bfloat16",
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,
-        "options": options,
+        "options": serving_options(args),
         "rows": rows,
     }
-    try:
-        engine = Engine(model, tokenizer, max_num_seqs=running + 1, **options)
-        mixed_traffic(engine, running, args.prompt, args.long_prompt)  # compiles the shapes it meets
-        result["mixed_traffic"] = mixed_traffic(engine, running, args.prompt, args.long_prompt)
-        del engine
-    except Exception as error:
-        result["mixed_traffic"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
-    print(result["mixed_traffic"], flush=True)
-    try:
-        ttft = {caching: prefix_ttft(model, tokenizer, args.long_prompt, caching, max_num_seqs=4, **options)
-                for caching in (True, False)}
-        result["prefix_caching"] = {"long_prompt": args.long_prompt, "shared": args.long_prompt - SHARED_TAIL,
-                                    "ttft_s_on": round(ttft[True], 4), "ttft_s_off": round(ttft[False], 4),
-                                    "on_over_off": round(ttft[True] / ttft[False], 3)}
-    except Exception as error:
-        result["prefix_caching"] = {"error": f"{type(error).__name__}: {str(error)[:400]}"}
-    print(result["prefix_caching"], flush=True)
+    for case, key in (("mixed", "mixed_traffic"), ("prefix", "prefix_caching")):
+        result[key] = in_a_process(case)
+        print(result[key], flush=True)
     write_result(result, args.output or RESULTS / "tpu_serve.json")
 
 
