@@ -1,5 +1,5 @@
 """Correctness on the accelerator, in one command: the TPU backend's kernels (decode
-attention, the experts' grouped product, splash attention over prompts, the int8
+attention over the dense cache and over pages, the experts' grouped product, splash attention over prompts, the int8
 layer product) against the reference ops on the chip, greedy tokens of a float32 model on the chip
 against the same model on the host's CPU, and logits against `transformers`
 (float32 at `jax.default_matmul_precision("highest")`, and bfloat16), and the
@@ -25,7 +25,7 @@ import numpy as np
 
 import eqx_models
 from eqx_models.backends import active_backend, xla
-from eqx_models.backends.tpu import attention, experts, quantized, splash
+from eqx_models.backends.tpu import attention, experts, paged, quantized, splash
 from eqx_models.quantized import quantize_weight
 
 from tpu_decode import RESULTS
@@ -62,6 +62,31 @@ def check_attention_kernel() -> list[dict]:
             error = float(np.abs(got - want)[live].max())
             rows.append({"check": "decode_attention", "dtype": jnp.dtype(dtype).name, "kv_seq": kv_seq,
                          "max_abs_error": error, "ok": error < 1e-4})
+    return rows
+
+
+def check_paged_kernel() -> list[dict]:
+    """The Pallas decode over the paged pool against the reference (a gather of the
+    pages), the engine's shapes: pages of 16, tables of 72 pages, 8 key/value heads."""
+    rows = []
+    rng = np.random.default_rng(4)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        batch, pages, width, page_size, kv_heads, groups, head_dim = 64, 2048, 72, 16, 8, 2, 128
+        normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        tables = jnp.asarray(np.stack([rng.permutation(pages)[:width] for _ in range(batch)]), jnp.int32)
+        lengths = rng.integers(0, width * page_size, batch)
+        valid = jnp.asarray(np.arange(width * page_size)[None] < lengths[:, None])
+        args = (normal(batch, kv_heads, groups, head_dim), normal(2, pages, kv_heads, page_size, head_dim).astype(dtype),
+                normal(2, pages, kv_heads, page_size, head_dim).astype(dtype), jnp.int32(1), tables, valid,
+                jnp.asarray(rng.random(batch) < 0.9), normal(batch, kv_heads, head_dim).astype(dtype),
+                normal(batch, kv_heads, head_dim).astype(dtype), normal(kv_heads, groups))
+        none = jnp.zeros((0,), jnp.float32)
+        with jax.default_matmul_precision("highest"):
+            got = np.asarray(jax.jit(lambda *a: paged.paged_decode_attention(*a, 0.088))(*args))
+            want = np.asarray(jax.jit(lambda *a: xla.paged_decode_attention(*a, none, none, 0.088))(*args))
+        error = float(np.abs(got - want).max())
+        rows.append({"check": "paged_decode_attention", "dtype": jnp.dtype(dtype).name, "batch": batch,
+                     "pages_per_row": width, "max_abs_error": error, "ok": error < 1e-4})
     return rows
 
 
@@ -238,7 +263,7 @@ def main() -> int:
     def check_tokens() -> list[dict]:
         return [check_tokens_against_the_cpu()]
 
-    checks = [check_attention_kernel, check_grouped_kernel, check_splash_kernel, check_quantized_kernel,
+    checks = [check_attention_kernel, check_paged_kernel, check_grouped_kernel, check_splash_kernel, check_quantized_kernel,
               check_grouped_kernel_under_highest] if on_chip else []
     checks += [check_tokens, check_engine_steps, check_against_transformers]
     rows = []

@@ -86,16 +86,40 @@ def plain_round(model, batch: int, rounds: int, length: int, new_tokens: int) ->
             "decode_tokens_per_s": round(batch / step, 1), "step_ms": round(step * 1e3, 3)}
 
 
-def time_per_output_token(engine: Engine, length: int, new_tokens: int) -> float:
-    """One request alone: seconds per output token after its first."""
+def time_per_output_token(engine: Engine, length: int, new_tokens: int) -> dict:
+    """One request alone: seconds per output token after its first, and where a
+    step's time goes: launching the compiled step, waiting for its outputs (the
+    chip's work and the copy back), and the rest (the host's scheduling, inputs and
+    outputs)."""
     ids = prompts(1, length, engine.model.config.vocab_size, 11)[0]
     engine.add_request(ids, SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True))
+    spent = {"launch": 0.0, "wait": 0.0}
+    forward, fetch = engine._forward, jax.device_get
+
+    def timed(key, fn):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[key] += time.perf_counter() - start
+        return run
+
+    engine._forward, jax.device_get = timed("launch", forward), timed("wait", fetch)
     first = None
-    while engine.has_work:
-        engine.step()
-        if first is None and engine.running and engine.running[0].output_ids:
-            first = time.perf_counter()
-    return (time.perf_counter() - first) / (new_tokens - 1)
+    try:
+        while engine.has_work:
+            engine.step()
+            if first is None and engine.running and engine.running[0].output_ids:
+                first, spent["launch"], spent["wait"] = time.perf_counter(), 0.0, 0.0
+    finally:
+        engine._forward, jax.device_get = forward, fetch
+    steps = new_tokens - 1
+    total = (time.perf_counter() - first) / steps
+    per_step = {key: value / steps for key, value in spent.items()}
+    return {"seconds_per_output_token": round(total, 6), "launch_ms": round(per_step["launch"] * 1e3, 3),
+            "wait_ms": round(per_step["wait"] * 1e3, 3),
+            "host_ms": round((total - per_step["launch"] - per_step["wait"]) * 1e3, 3)}
 
 
 def mixed_traffic(engine: Engine, running: int, length: int, long_prompt: int) -> dict:
@@ -155,7 +179,8 @@ def concurrency_row(model, tokenizer, concurrency: int, args, options: dict) -> 
     row["engine"] = engine_round(engine, 2 * concurrency, args.prompt, args.new_tokens, seed=2)
     row["kv_pages"] = engine.allocator.num_pages
     if concurrency == 1:
-        row["engine_seconds_per_output_token"] = round(time_per_output_token(engine, args.prompt, args.new_tokens), 6)
+        row["alone"] = time_per_output_token(engine, args.prompt, args.new_tokens)
+        row["engine_seconds_per_output_token"] = row["alone"]["seconds_per_output_token"]
     del engine
     gc.collect()
     row["device_bytes_in_use_after"] = in_use(jax.devices()[0])  # the pool should be gone by now
@@ -176,7 +201,8 @@ def run_case(case: str, args) -> dict:
         return concurrency_row(model, tokenizer, int(case), args, options)
     if case == "mixed":
         running = min(64, max(args.concurrency))
-        engine = Engine(model, tokenizer, max_num_seqs=running + 1, **options)
+        # No prefix caching: the measured round must prefill what the warm-up round did.
+        engine = Engine(model, tokenizer, max_num_seqs=running + 1, prefix_caching=False, **options)
         mixed_traffic(engine, running, args.prompt, args.long_prompt)  # compiles the shapes it meets
         return mixed_traffic(engine, running, args.prompt, args.long_prompt)
     ttft = {caching: prefix_ttft(model, tokenizer, args.long_prompt, caching, max_num_seqs=4, **options)

@@ -1,6 +1,8 @@
 """The TPU backend's Pallas kernels against the reference ops, run by Pallas'
 interpreter (on the CPU, in CI); on the chip itself `benchmarks/tpu_check.py`."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -8,7 +10,7 @@ import numpy as np
 import pytest
 
 from eqx_models.backends import xla
-from eqx_models.backends.tpu import attention, experts, quantized, splash
+from eqx_models.backends.tpu import attention, experts, paged, quantized, splash
 from eqx_models.quantized import quantize_weight
 
 
@@ -120,6 +122,112 @@ def test_grouped_matmul_gradients_equal_the_references():
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-4, rtol=1e-4)
     assert not np.asarray(got[1])[0].any()  # the other layer's experts get no gradient
+
+
+def _paged_case(rng, dtype, page_size, width, spans, self_valid):
+    """Random pools and a query per row; row `b` owns `width` distinct pages and sees
+    slots `[spans[b][0], spans[b][1])` of them."""
+    layers, pages, kv_heads, groups, head_dim = 2, 3 * width + 4, 2, 3, 128
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    batch = len(spans)
+    tables = jnp.asarray(np.stack([rng.permutation(pages)[:width] for _ in range(batch)]), jnp.int32)
+    slots = np.arange(width * page_size)
+    return (normal(batch, kv_heads, groups, head_dim),
+            normal(layers, pages, kv_heads, page_size, head_dim).astype(dtype),
+            normal(layers, pages, kv_heads, page_size, head_dim).astype(dtype), jnp.int32(1), tables,
+            jnp.asarray([(slots >= a) & (slots < b) for a, b in spans]), jnp.asarray(self_valid),
+            normal(batch, kv_heads, head_dim).astype(dtype), normal(batch, kv_heads, head_dim).astype(dtype),
+            normal(kv_heads, groups))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("page_size, width, spans", [
+    (16, 12, [(0, 189), (5, 40), (0, 0), (17, 18)]),  # 8 pages a step: a second, partial step of pages
+    (16, 3, [(0, 48), (20, 21)]),  # a table narrower than one step
+    (32, 5, [(0, 160), (100, 150), (31, 33)]),  # a span across a page boundary
+])
+def test_paged_decode_attention_reads_each_rows_pages_and_equals_the_reference(dtype, page_size, width, spans):
+    rng = np.random.default_rng(page_size + width)
+    args = _paged_case(rng, dtype, page_size, width, spans, [b % 2 == 0 for b in range(len(spans))])
+    none = jnp.zeros((0,), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got = paged.paged_decode_attention(*args, 0.088, interpret=True)
+        want = xla.paged_decode_attention(*args, none, none, 0.088)
+    assert got.shape == want.shape and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-6, rtol=1e-5)
+    assert not np.isnan(np.asarray(got)).any()
+
+
+def test_paged_pools_the_kernel_does_not_take_go_to_the_reference():
+    args = _paged_case(np.random.default_rng(0), jnp.float32, 16, 2, [(0, 4)], [True])
+    query, keys, values, new_value = args[0], args[1], args[2], args[8]
+    none = jnp.zeros((0,), jnp.float32)
+    assert paged.fits(query, keys, values, new_value, none, none)
+    assert not paged.fits(query, keys, keys, new_value, none, none)  # values read from the keys
+    assert not paged.fits(query, keys[..., :8, :], values[..., :8, :], new_value, none, none)  # pages of 8
+    int8 = keys.astype(jnp.int8)
+    assert not paged.fits(query, int8, int8 + 0, new_value, jnp.ones(int8.shape[:-1]), jnp.ones(int8.shape[:-1]))
+
+
+def test_the_engine_on_the_tpu_backend_with_its_paged_kernel_serves_what_generate_gives(monkeypatch):
+    """The TPU backend's choices with the paged decode kernel run by the interpreter:
+    the engine's ragged steps (prompt chunks and decodes in one call) and its
+    decode-only steps give the greedy tokens `generate` gives on the CPU."""
+    from conftest import STORIES, release_compiled_code, require_fixture
+
+    import eqx_models
+    from eqx_models.backends.tpu import Tpu
+    from eqx_models.serving import Engine, SamplingParams
+
+    path = require_fixture(STORIES)
+    model, tokenizer = eqx_models.from_pretrained(path), eqx_models.load_tokenizer(path)
+    prompts = [tokenizer.encode(text) for text in ("Once upon a time", "The little dog", "A", "She said that the")]
+    lengths = [12, 30, 5, 20]
+    want = [eqx_models.generate(model, p, max_new_tokens=n, eos_token_id=[])[0].tolist()  # the new tokens
+            for p, n in zip(prompts, lengths)]
+    calls = []
+
+    def through_kernel(query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks,
+                       key_scales, value_scales, scale):
+        assert paged.fits(query, key_pool, value_pool, new_value, key_scales, value_scales)
+        calls.append(block_tables.shape)
+        return paged.paged_decode_attention(query, key_pool, value_pool, layer, block_tables, valid, self_valid,
+                                            new_key, new_value, sinks, scale, interpret=True)
+
+    release_compiled_code()
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(Tpu, "paged_decode_attention", staticmethod(through_kernel))
+    monkeypatch.setattr(Tpu, "ragged_paged_attention",
+                        staticmethod(functools.partial(xla.ragged_paged_attention, decode=through_kernel)))
+    try:
+        engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=32, page_size=16, num_pages=32)
+        outs = engine.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths])
+    finally:
+        release_compiled_code()
+    assert engine.trace_counts["ragged"] and engine.trace_counts["decode"] and calls
+    assert [out.token_ids for out in outs] == want
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_new_kernels_lower_for_the_tpu(dtype):
+    """The paged decode and int8 product kernels lower to Mosaic for the TPU on this
+    machine (`jax.export`): block shapes, scalar prefetch and the kernels' ops pass
+    Pallas' TPU lowering (Mosaic's own compile needs the chip: `tpu_check.py`)."""
+    from jax import export
+
+    shape = jax.ShapeDtypeStruct
+    batch, kv_heads, groups, head_dim, page_size, width, pages = 8, 8, 2, 128, 16, 72, 128
+    pool = shape((2, pages, kv_heads, page_size, head_dim), dtype)
+    paged_args = (shape((batch, kv_heads, groups, head_dim), jnp.float32), pool, pool, shape((), jnp.int32),
+                  shape((batch, width), jnp.int32), shape((batch, width * page_size), jnp.bool_),
+                  shape((batch,), jnp.bool_), shape((batch, kv_heads, head_dim), dtype),
+                  shape((batch, kv_heads, head_dim), dtype), shape((kv_heads, groups), jnp.float32))
+    lowered = export.export(jax.jit(lambda *a: paged.paged_decode_attention(*a, 0.088)), platforms=["tpu"])(*paged_args)
+    assert "tpu_custom_call" in lowered.mlir_module()
+    product = jax.jit(lambda x, q, s, layer: quantized.layer_product(x, q, s, layer, group_size=128))
+    lowered = export.export(product, platforms=["tpu"])(
+        shape((64, 2560), dtype), shape((2, 1024, 2560), jnp.int8), shape((20, 1024), jnp.float32), shape((), jnp.int32))
+    assert "tpu_custom_call" in lowered.mlir_module()
 
 
 def _int8_stacks(rng, dtype, activations, layers=3, outs=(384, 256), inner=512):

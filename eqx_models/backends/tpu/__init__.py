@@ -1,7 +1,8 @@
 """The TPU backend: Pallas kernels where one pays, the reference XLA ops elsewhere.
 
 - one token's attention to the dense cache (`attention.py`): reads each row's
-  live blocks of slots only, the layer's slice in place;
+  live blocks of slots only, the layer's slice in place; to the paged pool
+  (`paged.py`, the serving engine's decodes): each row's live pages, in place;
 - the experts' grouped product (`experts.py`): megablox `gmm` over the layer's
   used experts, read in place;
 - the new tokens' attention to each other (`splash.py`): splash attention over
@@ -10,6 +11,7 @@
   in place and widened in VMEM, never a float copy of the layer.
 """
 
+import functools
 import math
 
 import jax
@@ -19,7 +21,7 @@ from jaxtyping import Array
 from .. import xla
 from ..base import Backend
 from ..generic import index_layer, take_rows
-from . import attention, experts, quantized, splash
+from . import attention, experts, paged, quantized, splash
 
 # Rows (tokens) up to which int8 products go through the kernel: a prompt's
 # many rows reuse each weight, and XLA's one dequantized copy a layer pays there.
@@ -34,6 +36,16 @@ def _decode_attention(query, key_stack, value_stack, layer, valid, self_valid, n
         return reference(*args)
     kernel = lambda *args: attention.decode_attention(*args, scale)
     # Arrays placed on the host's CPU of a TPU machine lower for the CPU: the reference.
+    return jax.lax.platform_dependent(*args, tpu=kernel, default=reference)
+
+
+def _paged_decode_attention(query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value,
+                            sinks, key_scales, value_scales, scale):
+    args = (query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks)
+    reference = lambda *args: xla.paged_decode_attention(*args, key_scales, value_scales, scale)
+    if not paged.fits(query, key_pool, value_pool, new_value, key_scales, value_scales):
+        return reference(*args)
+    kernel = lambda *args: paged.paged_decode_attention(*args, scale)
     return jax.lax.platform_dependent(*args, tpu=kernel, default=reference)
 
 
@@ -104,8 +116,8 @@ class Tpu(Backend):
     causal_attention = staticmethod(_causal_attention)
     grouped_matmul = staticmethod(_grouped_matmul)
     decode_attention = staticmethod(_decode_attention)
-    paged_decode_attention = staticmethod(xla.paged_decode_attention)
-    ragged_paged_attention = staticmethod(xla.ragged_paged_attention)
+    paged_decode_attention = staticmethod(_paged_decode_attention)
+    ragged_paged_attention = staticmethod(functools.partial(xla.ragged_paged_attention, decode=_paged_decode_attention))
     index_layer = staticmethod(index_layer)
     take_rows = staticmethod(take_rows)
     gather_pages = staticmethod(xla.gather_pages)

@@ -40,9 +40,13 @@ def live_blocks(valid: Bool[Array, "batch kv_seq"], block: int) -> tuple[Int[Arr
     return first.astype(jnp.int32), jnp.where(per_block.any(axis=1), last, 0).astype(jnp.int32)
 
 
-def _kernel(layer_ref, first_ref, last_ref, q_ref, k_ref, v_ref, mask_ref, acc_out, max_out, sum_out,
-            acc_scr, max_scr, sum_scr, *, scale: float, blocks: int):
-    del layer_ref
+def kernel(first_ref, last_ref, q_ref, *refs, scale: float, blocks: int, per_step: int = 1):
+    """The grid step of one row (`program_id(0)`) and block of slots (`program_id(1)`):
+    the block's keys and values come as `per_step` refs each (pages side by side, or
+    one block of the dense cache), then the block's mask, the three outputs and
+    their three scratch accumulators. Blocks outside `[first, last]` are skipped."""
+    keys, values = refs[:per_step], refs[per_step : 2 * per_step]
+    mask_ref, acc_out, max_out, sum_out, acc_scr, max_scr, sum_scr = refs[2 * per_step :]
     row, step = pl.program_id(0), pl.program_id(1)
 
     @pl.when(step == 0)
@@ -53,9 +57,10 @@ def _kernel(layer_ref, first_ref, last_ref, q_ref, k_ref, v_ref, mask_ref, acc_o
 
     @pl.when((step >= first_ref[row]) & (step <= last_ref[row]))
     def _block():
+        side_by_side = lambda parts: jnp.concatenate([part[...] for part in parts], axis=1) if per_step > 1 else parts[0][...]
         q = q_ref[0].astype(jnp.float32)  # [kv_heads, groups, head_dim]
-        k = k_ref[...].astype(jnp.float32)  # [kv_heads, block, head_dim]
-        v = v_ref[...].astype(jnp.float32)
+        k = side_by_side(keys).astype(jnp.float32)  # [kv_heads, block, head_dim]
+        v = side_by_side(values).astype(jnp.float32)
         scores = jax.lax.dot_general(q, k, (((2,), (2,)), ((0,), (0,))), preferred_element_type=jnp.float32) * scale
         allowed = mask_ref[0] > 0  # [1, block]
         scores = jnp.where(allowed[None], scores, LOWEST)
@@ -74,6 +79,23 @@ def _kernel(layer_ref, first_ref, last_ref, q_ref, k_ref, v_ref, mask_ref, acc_o
         acc_out[0] = acc_scr[...]
         max_out[0] = max_scr[...]
         sum_out[0] = sum_scr[...]
+
+
+def softmax_parts(batch: int, kv_heads: int, groups: int, head_dim: int) -> dict:
+    """The `pallas_call` pieces both decode kernels share: the three outputs (per
+    row), their block specs given a `per_row` spec maker, and the scratch."""
+    return dict(
+        out_shape=(
+            jax.ShapeDtypeStruct((batch, kv_heads, groups, head_dim), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, groups, 1), jnp.float32),
+            jax.ShapeDtypeStruct((batch, kv_heads, groups, 1), jnp.float32),
+        ),
+        scratch_shapes=[
+            pltpu.VMEM((kv_heads, groups, head_dim), jnp.float32),
+            pltpu.VMEM((kv_heads, groups, 1), jnp.float32),
+            pltpu.VMEM((kv_heads, groups, 1), jnp.float32),
+        ],
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block", "interpret"))
@@ -105,14 +127,11 @@ def cached_attention(
     per_row = lambda width: pl.BlockSpec(
         (1, kv_heads, groups, width), lambda row, j, layer, first, last: (row, 0, 0, 0)
     )
-    kernel = functools.partial(_kernel, scale=scale, blocks=blocks)
+    parts = softmax_parts(batch, kv_heads, groups, head_dim)
+    step = lambda layer_ref, *refs: kernel(*refs, scale=scale, blocks=blocks)
     call = pl.pallas_call(
-        kernel,
-        out_shape=(
-            jax.ShapeDtypeStruct((batch, kv_heads, groups, head_dim), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, groups, 1), jnp.float32),
-            jax.ShapeDtypeStruct((batch, kv_heads, groups, 1), jnp.float32),
-        ),
+        step,
+        out_shape=parts["out_shape"],
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3,
             grid=(batch, blocks),
@@ -123,11 +142,7 @@ def cached_attention(
                 pl.BlockSpec((1, 1, block), lambda row, j, layer, first, last: (row, 0, live(j, row, first, last))),
             ],
             out_specs=[per_row(head_dim), per_row(1), per_row(1)],
-            scratch_shapes=[
-                pltpu.VMEM((kv_heads, groups, head_dim), jnp.float32),
-                pltpu.VMEM((kv_heads, groups, 1), jnp.float32),
-                pltpu.VMEM((kv_heads, groups, 1), jnp.float32),
-            ],
+            scratch_shapes=parts["scratch_shapes"],
         ),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,  # the plain interpreter: no threads or callbacks
@@ -143,8 +158,15 @@ def decode_attention(
     keys' width (the caller checks, `fits`): the cached slots through the kernel,
     the token's own key/value and the sinks folded in here, float32."""
     block = block_for(key_stack.shape[3])
-    acc, top, total = cached_attention(query, key_stack, value_stack, layer, valid, scale=scale, block=block,
-                                       interpret=interpret)
+    parts = cached_attention(query, key_stack, value_stack, layer, valid, scale=scale, block=block,
+                             interpret=interpret)
+    return fold(parts, query, self_valid, new_key, new_value, sinks, scale)
+
+
+def fold(parts, query, self_valid, new_key, new_value, sinks, scale: float) -> Float[Array, "batch kv_heads groups d"]:
+    """The attention output from the cached slots' softmax parts `(acc, max, sum)`,
+    the token's own key/value (where `self_valid`) and the sinks, float32."""
+    acc, top, total = parts
     own = scale * jnp.einsum("bkgd,bkd->bkg", query, new_key.astype(jnp.float32))[..., None]
     own = jnp.where(self_valid[:, None, None, None], own, LOWEST)
     sink = jnp.broadcast_to(sinks[None, :, :, None], own.shape)
@@ -164,19 +186,23 @@ def decode_attention(
 MIN_BLOCKS = 4
 
 
-def fits(query, key_stack, value_stack, new_value, key_scales, value_scales) -> bool:
-    """Whether `decode_attention` takes this cache: float keys and values of their
-    own (not the keys' prefix), as wide as the keys, in at least `MIN_BLOCKS`
-    whole blocks of slots."""
-    block = block_for(key_stack.shape[3])
+def float_kv(keys, values, new_value, key_scales, value_scales) -> bool:
+    """Whether a cache's keys and values (dense or paged) are what the decode kernels
+    read: float, values of their own (not the keys' prefix), as wide as the keys."""
     return (
-        key_stack.dtype in (jnp.float32, jnp.bfloat16)
-        and value_stack.dtype == key_stack.dtype
-        and value_stack is not key_stack
-        and value_stack.shape == key_stack.shape
-        and new_value.shape[-1] == key_stack.shape[-1]
+        keys.dtype in (jnp.float32, jnp.bfloat16)
+        and values.dtype == keys.dtype
+        and values is not keys
+        and values.shape == keys.shape
+        and new_value.shape[-1] == keys.shape[-1]
         and not key_scales.size
         and not value_scales.size
-        and block is not None
-        and key_stack.shape[3] // block >= MIN_BLOCKS
     )
+
+
+def fits(query, key_stack, value_stack, new_value, key_scales, value_scales) -> bool:
+    """Whether `decode_attention` takes this cache: `float_kv`, in at least
+    `MIN_BLOCKS` whole blocks of slots."""
+    block = block_for(key_stack.shape[3])
+    return (float_kv(key_stack, value_stack, new_value, key_scales, value_scales) and block is not None
+            and key_stack.shape[3] // block >= MIN_BLOCKS)
