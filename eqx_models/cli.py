@@ -83,8 +83,15 @@ def _serve(args: argparse.Namespace) -> int:
     if args.max_request_bytes < 1:  # before the model loads
         raise ValueError(f"--max-request-bytes must be a positive number of bytes, got {args.max_request_bytes}.")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    mesh = None
+    if args.mesh:
+        from .sharding import device_mesh, parse_mesh_shape
+
+        mesh = device_mesh(parse_mesh_shape(args.mesh))
+    elif args.sharding:
+        raise ValueError("--sharding lays the model out on a mesh: give --mesh too (e.g. --mesh tensor=4).")
     model = from_pretrained(args.model, dtype=jnp.dtype(args.dtype), revision=args.revision,
-                            quantize=_quantize_option(args))
+                            quantize=_quantize_option(args), mesh=mesh, sharding=args.sharding)
     tokenizer = load_tokenizer(args.tokenizer or args.model, revision=None if args.tokenizer else args.revision)
     engine = Engine(
         model,
@@ -290,6 +297,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-request-bytes", type=int, default=8 << 20,
                        help="Largest request body in bytes; a larger one is refused with 413.")
     serve.add_argument("--revision", default=None, help="Hub branch, tag or commit.")
+    serve.add_argument("--mesh", default=None,
+                       help="Serve over this process's devices as a mesh, e.g. tensor=4 (data, fsdp, tensor, expert); "
+                            "the sizes multiply to the device count.")
+    serve.add_argument("--sharding", choices=["default", "dp", "fsdp", "tp", "ep"], default=None,
+                       help="With --mesh: the sharding preset (default: the default rules for the mesh's axes).")
     serve.set_defaults(run=_serve)
 
     plan = commands.add_parser(

@@ -133,9 +133,20 @@ class PagedKVCache(AbstractHasArrayAxes):
         Returns:
             Field name -> axis names.
         """
-        pool = ("layers", None, "kv_heads", None, "head_dim")
+        pool = self.pool_axes()
         return {"keys": pool, "values": pool, "block_tables": ("batch", None), "positions": ("batch",),
                 "state_slots": ("batch",), "key_scales": pool[:-1], "value_scales": pool[:-1]}
+
+    @staticmethod
+    def pool_axes() -> tuple[str | None, ...]:
+        """The logical axes of a pool (for sharding rules): split by key/value heads,
+        never by pages.
+
+        Returns:
+            Axis names of `[layers, pages, kv_heads, page_size, head_dim]` (an int8
+            pool's scales take the first four).
+        """
+        return ("layers", None, "kv_heads", None, "head_dim")
 
     @staticmethod
     def empty_pool(
@@ -357,7 +368,7 @@ class RaggedPagedKVCache(AbstractHasArrayAxes):
         Returns:
             Field name -> axis names.
         """
-        pool = ("layers", None, "kv_heads", None, "head_dim")
+        pool = PagedKVCache.pool_axes()
         return {"keys": pool, "values": pool, "block_tables": (None, None), "positions": (None,),
                 "query_starts": (None,), "key_scales": pool[:-1], "value_scales": pool[:-1]}
 

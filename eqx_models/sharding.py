@@ -444,3 +444,14 @@ def parse_mesh_shape(text: str) -> dict[str, int]:
     if not shape:
         raise ValueError(f"No mesh axes in {text!r}; write e.g. tensor=4,expert=2.")
     return shape
+
+
+def device_mesh(shape: dict[str, int]) -> Mesh:
+    """A mesh of this process's devices with `shape`'s axes (the CLI's `--mesh`);
+    refuses a shape whose sizes do not multiply to the device count."""
+    devices = jax.devices()
+    if math.prod(shape.values()) != len(devices):
+        sizes = " x ".join(f"{name}={size}" for name, size in shape.items())
+        raise ValueError(f"The mesh {sizes} has {math.prod(shape.values())} devices but {len(devices)} are here "
+                         f"({devices[0].platform}); give sizes that multiply to {len(devices)}.")
+    return jax.make_mesh(tuple(shape.values()), tuple(shape))

@@ -202,3 +202,12 @@ def test_a_device_block_is_read_from_the_file_in_place(tmp_path, monkeypatch):
     out = np.empty((2, 4, 2), np.float32)  # bfloat16 on disk, float32 wanted
     source.read_part_into("b", [range(1, 3), range(0, 4), range(3, 5)], out)
     np.testing.assert_array_equal(out, tensors["b"][1:3, :, 3:5].astype(np.float32))
+
+
+def test_a_mesh_of_the_wrong_size_is_refused_with_the_sizes():
+    from eqx_models.sharding import device_mesh
+
+    count = jax.device_count()
+    with pytest.raises(ValueError, match=f"tensor=2 x data={count} has {2 * count} devices but {count} are here"):
+        device_mesh({"tensor": 2, "data": count})
+    assert device_mesh({"data": count}).shape == {"data": count}

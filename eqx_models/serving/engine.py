@@ -230,6 +230,12 @@ class Engine:
         if kv_cache_dtype == jnp.int8:  # a float32 scale per key row and per value row
             row_bytes += 4 * (bool(layout.key_dim) + bool(layout.value_dim))
         page_bytes = config.num_blocks * layout.kv_heads * page_size * row_bytes
+        # What one device holds of a page: on a mesh the pools split by key/value heads.
+        device_page_bytes = page_bytes
+        if model.placement is not None:
+            shape = (config.num_blocks, 1, layout.kv_heads, page_size, max(layout.key_dim, 1))
+            held = model.placement.sharding(PagedKVCache.pool_axes(), shape).shard_shape(shape)
+            device_page_bytes = page_bytes * math.prod(held) // math.prod(shape)
         # A model with a recurrent state gets one slot per running sequence, and a
         # scratch slot (number max_num_seqs) for the rows that pad a call. Its shape
         # only: the state itself is made once, with the pools.
@@ -260,7 +266,7 @@ class Engine:
             reported = free_bytes(model.devices())
             if reported is not None:
                 num_pages = self._pages_in_memory(reported, memory_utilization or DEFAULT_MEMORY_UTILIZATION, static,
-                                                  page_bytes, state_bytes)
+                                                  device_page_bytes, state_bytes)
             elif memory_utilization is not None:
                 raise ValueError(
                     f"memory_utilization sizes the pool from an accelerator's memory, and {model.devices()} report "
@@ -284,9 +290,9 @@ class Engine:
             chunk_granularity=QUERY_BLOCK if self._ragged else 1,
         )
         self._num_pages = num_pages
-        pool_bytes = num_pages * page_bytes + state_bytes
+        pool_bytes = num_pages * device_page_bytes + state_bytes  # on each device
         fitting = free_bytes(model.devices())
-        fitting = None if fitting is None else int((fitting[0] - state_bytes) // page_bytes)
+        fitting = None if fitting is None else int((fitting[0] - state_bytes) // device_page_bytes)
         refuse_unless_fits(
             f"The serving engine's KV cache ({num_pages} pages of {page_size} tokens, {kv_cache_dtype.name})",
             pool_bytes, model.devices(),
@@ -327,13 +333,28 @@ class Engine:
         state = None
         if self._has_state:
             state = config.recurrent_state(self.max_num_seqs + 1, self.model.dtype)
-        return jax.device_put((*pools, state), jax.devices()[0])
+        return jax.device_put((*pools, state), self._pool_placements((*pools, state)))
+
+    def _pool_placements(self, pools: tuple):
+        """Where the pools go: the model's device, or on the model's mesh split as the
+        sharding rules split a paged cache (by key/value heads, never by pages), the
+        recurrent state whole on every device."""
+        placement = self.model.placement
+        if placement is None:
+            return jax.devices()[0]
+        *pages, state = pools
+        whole = jax.sharding.NamedSharding(placement.mesh, jax.sharding.PartitionSpec())
+        split = lambda pool: placement.sharding(PagedKVCache.pool_axes()[: pool.ndim], pool.shape)
+        return (*(None if pool is None else split(pool) for pool in pages),
+                None if state is None else jax.tree.map(lambda _: whole, state))
+
 
     def _pages_in_memory(self, reported, utilization: float, static, page_bytes: int, state_bytes: int) -> int:
         """The pages that fit in `utilization` of the device's memory, after what it
         holds now and the temporaries of the largest step (measured on its
         compiled program, with a pool of just over one sequence's pages); refuses a
-        pool that cannot hold one sequence of `max_model_len` tokens."""
+        pool that cannot hold one sequence of `max_model_len` tokens. `page_bytes`:
+        what one device holds of a page."""
         available, limit, device = reported
         in_use = limit - available
         pools = jax.eval_shape(lambda: self._empty_pools(self.pages_per_seq + 1))

@@ -421,3 +421,86 @@ def test_memory_plan_equals_the_sum_of_shard_sizes(name, shape):
     assert plan["parameter_bytes_per_device"] == sum(jax.tree.leaves(blocks))
     assert plan["parameter_bytes"] == sum(math.prod(s.shape) * 2 for s in jax.tree.leaves(skeleton))
     print(name, shape, f"{plan['parameter_bytes_per_device'] / 1e9:.2f} GB per device of {plan['parameter_bytes'] / 1e9:.2f}")
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+@pytest.mark.parametrize("preset, pool_spec", [("tp2_dp4", P(None, None, "tensor")), ("dp8", P())])
+def test_the_serving_engine_on_a_mesh_serves_what_one_device_generates(references, preset, pool_spec, ragged):
+    """The engine over a model placed on a mesh: its page pools split by key/value
+    heads as the rules split a paged cache (never by pages), and both kinds of step
+    give the greedy tokens `generate` gives on one device."""
+    from conftest import STORIES, require_fixture
+
+    from eqx_models import load_tokenizer
+    from eqx_models.serving import Engine, SamplingParams
+
+    folder, _ = references["qwen3"]
+    single = from_pretrained(folder, dtype=jnp.float32)
+    model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(PRESETS[preset][0]))
+    tokenizer = load_tokenizer(require_fixture(STORIES))  # any tokenizer: the outputs are compared as ids
+    rng = np.random.default_rng(3)
+    prompts_ids = [rng.integers(0, 128, length).tolist() for length in (9, 3, 14, 6, 1)]
+    lengths = [7, 12, 4, 9, 5]
+    want = [generate(single, p, max_new_tokens=n, eos_token_id=[])[0].tolist() for p, n in zip(prompts_ids, lengths)]
+    engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=32, page_size=4, num_pages=48,
+                    ragged_steps=ragged)
+    for pool in engine.pools[:2]:
+        assert pool.sharding.spec == pool_spec and len(pool.addressable_shards) == 8
+    outs = engine.generate(prompts_ids, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths])
+    assert [out.token_ids for out in outs] == want
+    assert engine.pools[0].sharding.spec == pool_spec  # the steps keep the pools where they are
+
+
+def test_the_engine_sizes_its_pool_by_what_each_device_holds_of_a_page(references, monkeypatch):
+    """With the device's memory reported (made up here: the CPU reports none), a pool
+    split over 2 devices by key/value heads gets about twice the pages of a pool
+    every device holds whole, in the same share of memory."""
+    from conftest import STORIES, require_fixture
+
+    import eqx_models.serving.engine as engine_module
+    from eqx_models import load_tokenizer
+    from eqx_models.serving import Engine
+
+    limit = 64 << 20
+    monkeypatch.setattr(engine_module, "free_bytes", lambda devices: (limit, limit, list(devices)[0]))
+    folder, _ = references["qwen3"]
+    tokenizer = load_tokenizer(require_fixture(STORIES))
+    pages = {}
+    for preset in ("dp8", "tp2_dp4"):
+        model = from_pretrained(folder, dtype=jnp.float32, mesh=mesh_of(PRESETS[preset][0]))
+        engine = Engine(model, tokenizer, max_num_seqs=4, max_num_batched_tokens=32, page_size=4,
+                        memory_utilization=0.5)
+        pages[preset] = engine.allocator.num_pages
+        held = engine.pools[0].addressable_shards[0].data.nbytes + engine.pools[1].addressable_shards[0].data.nbytes
+        assert held <= limit // 2  # what one device holds of the pools fits its share
+    assert pages["tp2_dp4"] > 1.8 * pages["dp8"], pages  # less the largest step's temporaries, smaller split
+
+
+def test_the_server_on_a_mesh_answers_what_one_device_generates(tmp_path):
+    """`eqx-models serve --mesh data=4,tensor=2` over the 8 devices: a greedy
+    completion equals `generate` on one device; a mesh of the wrong size is refused
+    with the sizes before anything loads."""
+    import subprocess
+    import sys
+
+    from conftest import STORIES, require_fixture
+    from test_serve import Served
+
+    from eqx_models import load_tokenizer
+
+    path = require_fixture(STORIES)
+    single, tokenizer = from_pretrained(path), load_tokenizer(path)
+    prompt = tokenizer.encode("Once upon a time")
+    want = generate(single, prompt, max_new_tokens=16, eos_token_id=[])[0].tolist()
+    with open(tmp_path / "server.log", "w+") as log:
+        served = Served(str(path), "--served-model-name", "stories", "--page-size", "4", "--max-num-seqs", "4",
+                        "--mesh", "data=4,tensor=2", log=log)
+        try:
+            response = served.client.completions.create(model="stories", prompt=prompt, max_tokens=16, temperature=0,
+                                                        extra_body={"ignore_eos": True})
+        finally:
+            assert served.close()
+    assert response.choices[0].text == tokenizer.decode(prompt + want)[len(tokenizer.decode(prompt)):]
+    refused = subprocess.run([sys.executable, "-m", "eqx_models.cli", "serve", str(path), "--mesh", "tensor=3"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode != 0 and "tensor=3 has 3 devices but 8 are here" in refused.stderr
