@@ -74,7 +74,7 @@ def check_paged_kernel() -> list[dict]:
         batch, pages, width, page_size, kv_heads, groups, head_dim = 64, 2048, 72, 16, 8, 2, 128
         normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)
         tables = jnp.asarray(np.stack([rng.permutation(pages)[:width] for _ in range(batch)]), jnp.int32)
-        lengths = rng.integers(0, width * page_size, batch)
+        lengths = rng.integers(1, width * page_size, batch)  # a row that sees nothing is padding (zeros)
         valid = jnp.asarray(np.arange(width * page_size)[None] < lengths[:, None])
         args = (normal(batch, kv_heads, groups, head_dim), normal(2, pages, kv_heads, page_size, head_dim).astype(dtype),
                 normal(2, pages, kv_heads, page_size, head_dim).astype(dtype), jnp.int32(1), tables, valid,

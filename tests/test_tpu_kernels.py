@@ -143,6 +143,7 @@ def _paged_case(rng, dtype, page_size, width, spans, self_valid):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("page_size, width, spans", [
     (16, 12, [(0, 189), (5, 40), (0, 0), (17, 18)]),  # 8 pages a step: a second, partial step of pages
+    (16, 20, [(200, 310), (130, 131), (0, 320)]),  # rows whose first live step is not the first (a window)
     (16, 3, [(0, 48), (20, 21)]),  # a table narrower than one step
     (32, 5, [(0, 160), (100, 150), (31, 33)]),  # a span across a page boundary
 ])
@@ -160,13 +161,18 @@ def test_paged_decode_attention_reads_each_rows_pages_and_equals_the_reference(d
 
 def test_paged_pools_the_kernel_does_not_take_go_to_the_reference():
     args = _paged_case(np.random.default_rng(0), jnp.float32, 16, 2, [(0, 4)], [True])
-    query, keys, values, new_value = args[0], args[1], args[2], args[8]
+    query, keys, values, tables, new_value = args[0], args[1], args[2], args[4], args[8]
     none = jnp.zeros((0,), jnp.float32)
-    assert paged.fits(query, keys, values, new_value, none, none)
-    assert not paged.fits(query, keys, keys, new_value, none, none)  # values read from the keys
-    assert not paged.fits(query, keys[..., :8, :], values[..., :8, :], new_value, none, none)  # pages of 8
+    assert paged.fits(query, keys, values, tables, new_value, none, none)
+    assert not paged.fits(query, keys, keys, tables, new_value, none, none)  # values read from the keys
+    assert not paged.fits(query, keys[..., :8, :], values[..., :8, :], tables, new_value, none, none)  # pages of 8
+    wide = jnp.concatenate([keys] * 3, axis=3)  # pages of 48: a step of 2 pages is 96 slots, not whole lanes
+    assert not paged.fits(query, wide, wide + 1, tables, new_value, none, none)
+    huge = jnp.zeros((64, paged.MAX_TABLE_ENTRIES // 64 + 1), jnp.int32)  # block tables beyond scalar memory
+    assert not paged.fits(query, keys, values, huge, new_value, none, none)
     int8 = keys.astype(jnp.int8)
-    assert not paged.fits(query, int8, int8 + 0, new_value, jnp.ones(int8.shape[:-1]), jnp.ones(int8.shape[:-1]))
+    assert not paged.fits(query, int8, int8 + 0, tables, new_value, jnp.ones(int8.shape[:-1]),
+                          jnp.ones(int8.shape[:-1]))
 
 
 def test_the_engine_on_the_tpu_backend_with_its_paged_kernel_serves_what_generate_gives(monkeypatch):
@@ -189,7 +195,7 @@ def test_the_engine_on_the_tpu_backend_with_its_paged_kernel_serves_what_generat
 
     def through_kernel(query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks,
                        key_scales, value_scales, scale):
-        assert paged.fits(query, key_pool, value_pool, new_value, key_scales, value_scales)
+        assert paged.fits(query, key_pool, value_pool, block_tables, new_value, key_scales, value_scales)
         calls.append(block_tables.shape)
         return paged.paged_decode_attention(query, key_pool, value_pool, layer, block_tables, valid, self_valid,
                                             new_key, new_value, sinks, scale, interpret=True)
@@ -230,6 +236,30 @@ def test_the_new_kernels_lower_for_the_tpu(dtype):
     assert "tpu_custom_call" in lowered.mlir_module()
 
 
+def test_on_a_mesh_the_new_kernels_give_way_to_the_references(monkeypatch):
+    """A Mosaic call is not split by the partitioner: a model laid out over several
+    devices takes the reference ops (XLA splits those), never the int8 or paged kernel."""
+    from eqx_models import sharding
+    from eqx_models.backends.tpu import Tpu
+
+    stack = _int8_stacks(np.random.default_rng(0), jnp.float32, "float")[0]
+    x = jnp.zeros((4, 512), jnp.float32)
+    mesh = sharding.Placement(jax.sharding.AbstractMesh((2,), ("tensor",)), sharding.resolve_rules(None))
+    assert Tpu().reads_layers_in_place(x, stack)
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a kernel was dispatched on a mesh")
+
+    monkeypatch.setattr(jax.lax, "platform_dependent", refused)  # how the backend offers a kernel
+    args = _paged_case(np.random.default_rng(1), jnp.float32, 16, 2, [(0, 20)], [True])
+    none = jnp.zeros((0,), jnp.float32)
+    with sharding.active(mesh):
+        assert not Tpu().reads_layers_in_place(x, stack)
+        got = Tpu.paged_decode_attention(*args, none, none, 0.088)
+        Tpu.quantized_matvecs(x, (stack,), jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(xla.paged_decode_attention(*args, none, none, 0.088)))
+
+
 def _int8_stacks(rng, dtype, activations, layers=3, outs=(384, 256), inner=512):
     return tuple(
         quantize_weight(jnp.asarray(rng.standard_normal((layers, out, inner)) * 0.05, dtype), 8, 128,
@@ -251,6 +281,22 @@ def test_int8_product_reads_the_layer_and_equals_the_reference(dtype, activation
         want = xla.quantized_matvecs(x, stacks, jnp.int32(1))
     for g, w, stack in zip(got, want, stacks):
         assert g.shape == w.shape == (*rows, stack.shape[-2]) and g.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
+
+
+def test_int8_product_over_several_blocks_of_weights_and_rows(monkeypatch):
+    """Blocks of 128 output rows (a smaller block budget) and of 16 rows: every
+    block's index maps, and the rows fetched again for each block of weights."""
+    monkeypatch.setattr(quantized, "WEIGHT_BLOCK_BYTES", 128 * 512)
+    monkeypatch.setattr(quantized, "ROW_BLOCK_BYTES", 16 * 512 * 2)
+    rng = np.random.default_rng(9)
+    stacks = _int8_stacks(rng, jnp.bfloat16, "float")
+    assert quantized.out_tile(384, 512) == 128 and quantized.row_tile(40, 512, 2) == 16
+    x = jnp.asarray(rng.standard_normal((40, 512)), jnp.bfloat16).astype(jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got = quantized.quantized_matvecs(x, stacks, jnp.int32(2), interpret=True)
+        want = xla.quantized_matvecs(x, stacks, jnp.int32(2))
+    for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=2e-5, rtol=1e-5)
 
 

@@ -285,6 +285,7 @@ def ragged_paged_attention(
     if softcap is None:
         slots = jnp.arange(block_tables.shape[1] * key_pool.shape[3])
         valid = (slots[None] < tokens.cached[:, None]) & (tokens.cached[:, None] - slots[None] < tokens.window)
+        valid &= alone[:, None]  # a chunk's row is answered above: its pages are not read here
         decoded = (decode or paged_decode_attention)(
             query[first], key_pool, value_pool, layer, block_tables, valid, alone, new_keys[first],
             new_values[first], sinks, key_scales, value_scales, scale,

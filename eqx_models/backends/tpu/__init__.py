@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array
 
+from ...sharding import spans_devices
 from .. import xla
 from ..base import Backend
 from ..generic import index_layer, take_rows
 from . import attention, experts, paged, quantized, splash
 
-# Rows (tokens) up to which int8 products go through the kernel: a prompt's
-# many rows reuse each weight, and XLA's one dequantized copy a layer pays there.
+# Rows (tokens) up to which int8 products go through the kernel.
 MAX_QUANTIZED_KERNEL_ROWS = 1024
 
 
@@ -43,7 +43,10 @@ def _paged_decode_attention(query, key_pool, value_pool, layer, block_tables, va
                             sinks, key_scales, value_scales, scale):
     args = (query, key_pool, value_pool, layer, block_tables, valid, self_valid, new_key, new_value, sinks)
     reference = lambda *args: xla.paged_decode_attention(*args, key_scales, value_scales, scale)
-    if not paged.fits(query, key_pool, value_pool, new_value, key_scales, value_scales):
+    # A Mosaic call is not split by the partitioner: on a mesh XLA would gather the
+    # whole pool to every device first.
+    if spans_devices() or not paged.fits(query, key_pool, value_pool, block_tables, new_value, key_scales,
+                                         value_scales):
         return reference(*args)
     kernel = lambda *args: paged.paged_decode_attention(*args, scale)
     return jax.lax.platform_dependent(*args, tpu=kernel, default=reference)
@@ -56,8 +59,14 @@ def _grouped_matmul(rows, stack, layer, group_sizes):
                                       default=xla.grouped_matmul)
 
 
+def _takes_quantized(x: Array, stack) -> bool:
+    # A prompt's many rows reuse each weight: XLA's one dequantized copy a layer pays
+    # there. On a mesh XLA would gather the whole stack to every device for a Mosaic call.
+    return quantized.fits(stack) and math.prod(x.shape[:-1]) <= MAX_QUANTIZED_KERNEL_ROWS and not spans_devices()
+
+
 def _quantized_matvecs(x, stacks, layer):
-    if not all(quantized.fits(stack) for stack in stacks):
+    if not all(_takes_quantized(x, stack) for stack in stacks):
         return xla.quantized_matvecs(x, stacks, layer)
     return jax.lax.platform_dependent(x, stacks, layer, tpu=quantized.quantized_matvecs,
                                       default=xla.quantized_matvecs)
@@ -79,8 +88,7 @@ class Tpu(Backend):
 
     def reads_layers_in_place(self, x: Array, stack) -> bool:
         # Float layers: XLA's matmul reads a scanned layer in place already.
-        rows = math.prod(x.shape[:-1])
-        return quantized.fits(stack) and rows <= MAX_QUANTIZED_KERNEL_ROWS
+        return _takes_quantized(x, stack)
 
     def headwise_in_place(self, rows: int, stack: Array) -> bool:
         return False

@@ -26,6 +26,9 @@ from .attention import float_kv, fold, kernel, live_blocks, softmax_parts
 
 # Slots a grid step reads, at least (whole pages).
 SLOTS_PER_STEP = 128
+# Block table entries the kernel takes: they go to the core's scalar memory (1 MiB on
+# a v5e), a quarter of it for them.
+MAX_TABLE_ENTRIES = 1 << 16
 
 
 def pages_per_step(page_size: int, width: int) -> int:
@@ -107,7 +110,15 @@ def paged_decode_attention(
     return fold(parts, query, self_valid, new_key, new_value, sinks, scale)
 
 
-def fits(query, key_pool, value_pool, new_value, key_scales, value_scales) -> bool:
+def fits(query, key_pool, value_pool, block_tables, new_value, key_scales, value_scales) -> bool:
     """Whether `paged_decode_attention` takes these pools: `attention.float_kv`, in
-    pages of whole sublane tiles (16 slots: bfloat16 packs two rows a sublane)."""
-    return float_kv(key_pool, value_pool, new_value, key_scales, value_scales) and key_pool.shape[3] % 16 == 0
+    pages of whole sublane tiles (16 slots: bfloat16 packs two rows a sublane) whose
+    steps are whole lanes of the mask (pages of 16, 32, 64 or a multiple of 128), and
+    block tables that fit the scalar memory beside the rest."""
+    page_size = key_pool.shape[3]
+    return (
+        float_kv(key_pool, value_pool, new_value, key_scales, value_scales)
+        and page_size % 16 == 0
+        and (SLOTS_PER_STEP % page_size == 0 or page_size % SLOTS_PER_STEP == 0)
+        and block_tables.size <= MAX_TABLE_ENTRIES
+    )
