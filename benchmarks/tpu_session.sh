@@ -15,7 +15,7 @@ set -u
 cd "$(dirname "$0")"
 steps=("$@")
 [ ${#steps[@]} -eq 0 ] && steps=(check decode decode4b prefill moe)
-declare -A limit=([check]=240 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200 [matvec]=150 [moetiles]=300 [peer]=200 [serve]=500)
+declare -A limit=([check]=300 [decode]=140 [decode4b]=130 [prefill]=80 [moe]=110 [int8]=150 [context]=120 [context16k]=200 [load8b]=420 [first]=200 [matvec]=150 [moetiles]=300 [peer]=200 [serve]=500)
 declare -A command=(
     [check]="python3 tpu_check.py"
     [decode]="python3 tpu_decode.py --shape 0.6b"
