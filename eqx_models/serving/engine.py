@@ -348,7 +348,6 @@ class Engine:
         return (*(None if pool is None else split(pool) for pool in pages),
                 None if state is None else jax.tree.map(lambda _: whole, state))
 
-
     def _pages_in_memory(self, reported, utilization: float, static, page_bytes: int, state_bytes: int) -> int:
         """The pages that fit in `utilization` of the device's memory, after what it
         holds now and the temporaries of the largest step (measured on its

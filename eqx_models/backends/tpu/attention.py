@@ -40,6 +40,12 @@ def live_blocks(valid: Bool[Array, "batch kv_seq"], block: int) -> tuple[Int[Arr
     return first.astype(jnp.int32), jnp.where(per_block.any(axis=1), last, 0).astype(jnp.int32)
 
 
+def live_block(j, row, first, last):
+    """Grid step `j` of `row` as the block it reads: the nearest of the row's live
+    blocks `[first[row], last[row]]` (Pallas does not fetch a repeated block again)."""
+    return jnp.clip(j, first[row], last[row])
+
+
 def kernel(first_ref, last_ref, q_ref, *refs, scale: float, blocks: int, per_step: int = 1):
     """The grid step of one row (`program_id(0)`) and block of slots (`program_id(1)`):
     the block's keys and values come as `per_step` refs each (pages side by side, or
@@ -83,7 +89,7 @@ def kernel(first_ref, last_ref, q_ref, *refs, scale: float, blocks: int, per_ste
 
 def softmax_parts(batch: int, kv_heads: int, groups: int, head_dim: int) -> dict:
     """The `pallas_call` pieces both decode kernels share: the three outputs (per
-    row), their block specs given a `per_row` spec maker, and the scratch."""
+    row) and their scratch accumulators."""
     return dict(
         out_shape=(
             jax.ShapeDtypeStruct((batch, kv_heads, groups, head_dim), jnp.float32),
@@ -119,10 +125,9 @@ def cached_attention(
     kv_seq = key_stack.shape[3]
     blocks = kv_seq // block
     first, last = live_blocks(valid, block)
-    live = lambda j, row, first, last: jnp.clip(j, first[row], last[row])
     cache_spec = pl.BlockSpec(
         (None, None, kv_heads, block, head_dim),
-        lambda row, j, layer, first, last: (layer[0], row, 0, live(j, row, first, last), 0),
+        lambda row, j, layer, first, last: (layer[0], row, 0, live_block(j, row, first, last), 0),
     )
     per_row = lambda width: pl.BlockSpec(
         (1, kv_heads, groups, width), lambda row, j, layer, first, last: (row, 0, 0, 0)
@@ -139,7 +144,7 @@ def cached_attention(
                 per_row(head_dim),
                 cache_spec,
                 cache_spec,
-                pl.BlockSpec((1, 1, block), lambda row, j, layer, first, last: (row, 0, live(j, row, first, last))),
+                pl.BlockSpec((1, 1, block), lambda row, j, layer, first, last: (row, 0, live_block(j, row, first, last))),
             ],
             out_specs=[per_row(head_dim), per_row(1), per_row(1)],
             scratch_shapes=parts["scratch_shapes"],

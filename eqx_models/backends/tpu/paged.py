@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Bool, Float, Int
 
-from .attention import float_kv, fold, kernel, live_blocks, softmax_parts
+from .attention import float_kv, fold, kernel, live_block, live_blocks, softmax_parts
 
 # Slots a grid step reads, at least (whole pages).
 SLOTS_PER_STEP = 128
@@ -62,11 +62,10 @@ def paged_attention_parts(
     tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded - width))).reshape(-1)
     mask = jnp.pad(valid[:, : width * page_size], ((0, 0), (0, (padded - width) * page_size)))
     first, last = live_blocks(mask, per_step * page_size)
-    live = lambda j, row, first, last: jnp.clip(j, first[row], last[row])
 
     def page_spec(n: int) -> pl.BlockSpec:
         def where(row, j, layer, tables, first, last):
-            return (layer[0], tables[row * padded + live(j, row, first, last) * per_step + n], 0, 0, 0)
+            return (layer[0], tables[row * padded + live_block(j, row, first, last) * per_step + n], 0, 0, 0)
         return pl.BlockSpec((None, None, kv_heads, page_size, head_dim), where)
 
     per_row = lambda last_axis: pl.BlockSpec(
@@ -85,7 +84,7 @@ def paged_attention_parts(
                 *[page_spec(n) for n in range(per_step)],
                 *[page_spec(n) for n in range(per_step)],
                 pl.BlockSpec((1, 1, per_step * page_size),
-                             lambda row, j, layer, tables, first, last: (row, 0, live(j, row, first, last))),
+                             lambda row, j, layer, tables, first, last: (row, 0, live_block(j, row, first, last))),
             ],
             out_specs=[per_row(head_dim), per_row(1), per_row(1)],
             scratch_shapes=parts["scratch_shapes"],

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jaxtyping import Array, Float, Int
 
-from ...quantized import QuantizedWeight, quantize_activations
+from ...quantized import QuantizedWeight
 from .. import xla
 
 # A weight block's bytes, at most: large enough that the per-step cost (about a
@@ -122,7 +122,7 @@ def layer_product(
 
 def _product(x: Array, stack: QuantizedWeight, scales: Array, layer: Array, interpret: bool) -> Array:
     """One stack's product through the kernel, `x` flat `[rows, in]` in float32."""
-    scales = jnp.swapaxes(jax.lax.dynamic_index_in_dim(scales, layer, axis=0, keepdims=False), 0, 1)
+    scales = jnp.swapaxes(xla.layer_of(scales, layer), 0, 1)
     # A bfloat16 model's float activations are bfloat16 values: the product takes
     # them as they are. Rounded int8 activations carry a float32 scale: float32.
     exact = stack.float_dtype == jnp.bfloat16 and stack.activations == "float"
@@ -142,8 +142,7 @@ def quantized_matvecs(x: Float[Array, "*rows in"], stacks: tuple, layer: Int[Arr
 
     @jax.custom_vjp
     def run(x, scales):
-        prepared = quantize_activations(x) if stacks[0].activations == "int8" else x
-        flat = prepared.reshape(-1, x.shape[-1])
+        flat = stacks[0].prepare_input(x).reshape(-1, x.shape[-1])
         return tuple(_product(flat, stack, s, layer, interpret).reshape(*x.shape[:-1], -1)
                      for stack, s in zip(stacks, scales))
 
